@@ -1,0 +1,151 @@
+"""Configuration of a DFlash draft (z-lab `config.json`) and of the engine."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+DRAFT_ARCHITECTURE = "DFlashDraftModel"
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab rule: `num_draft_layers` target layer ids spread evenly over 1 .. L-3."""
+    if num_draft_layers < 1:
+        raise ValueError("num_draft_layers must be at least 1")
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, max(1, num_target_layers - 3)
+    span = end - start
+    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DraftConfig:
+    """The fields of a z-lab DFlash draft `config.json` that the draft model uses."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    num_target_layers: int
+    block_size: int = 16
+    mask_token_id: int = 0
+    target_layer_ids: list[int] = field(default_factory=list)
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 40960
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    is_causal: bool | None = None
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if not self.target_layer_ids:
+            self.target_layer_ids = build_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> DraftConfig:
+        """Read a z-lab config dict; `block_size` may sit at top level or in `dflash_config`."""
+        dflash = dict(raw.get("dflash_config") or {})
+
+        def pick(name: str, default: Any = None) -> Any:
+            return dflash.get(name, raw.get(name, default))
+
+        required = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"]
+        missing = [name for name in required if name not in raw]
+        if missing:
+            raise ValueError(f"draft config.json lacks required field(s): {', '.join(missing)}")
+        if pick("mask_token_id") is None:
+            raise ValueError("draft config.json lacks dflash_config.mask_token_id")
+        if raw.get("num_target_layers") is None and pick("target_layer_ids") is None:
+            raise ValueError("draft config.json needs num_target_layers or dflash_config.target_layer_ids")
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_theta = raw.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
+        rope_scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        layer_ids = pick("target_layer_ids")
+        num_target_layers = raw.get("num_target_layers") or (max(layer_ids) + 4)
+        return cls(
+            hidden_size=int(raw["hidden_size"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=int(raw["num_attention_heads"]),
+            num_key_value_heads=int(raw.get("num_key_value_heads", raw["num_attention_heads"])),
+            vocab_size=int(raw["vocab_size"]),
+            num_target_layers=int(num_target_layers),
+            block_size=int(pick("block_size", 16)),
+            mask_token_id=int(pick("mask_token_id")),
+            target_layer_ids=[int(i) for i in layer_ids] if layer_ids else [],
+            head_dim=raw.get("head_dim"),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling or None,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 40960)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            hidden_act=str(raw.get("hidden_act", "silu")),
+            layer_types=raw.get("layer_types"),
+            sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
+            is_causal=raw.get("is_causal"),
+            input_embedding_scale=float(pick("input_embedding_scale", 1.0)),
+            output_multiplier=float(pick("output_multiplier", 1.0)),
+            final_logit_softcapping=pick("final_logit_softcapping"),
+            extra={k: v for k, v in raw.items() if k in ("bos_token_id", "eos_token_id", "torch_dtype", "dtype")},
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> DraftConfig:
+        """Load `config.json` from a draft folder (or the file itself)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        raw = json.loads(path.read_text())
+        archs = raw.get("architectures") or []
+        if DRAFT_ARCHITECTURE not in archs:
+            raise ValueError(f"{path}: architectures is {archs}, expected ['{DRAFT_ARCHITECTURE}']")
+        return cls.from_dict(raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The z-lab `config.json` layout (what a published DFlash checkpoint carries)."""
+        d = asdict(self)
+        d.pop("extra")
+        out: dict[str, Any] = {
+            "architectures": [DRAFT_ARCHITECTURE],
+            "model_type": "qwen3",
+            "block_size": d.pop("block_size"),
+            "dflash_config": {
+                "mask_token_id": d.pop("mask_token_id"),
+                "target_layer_ids": d.pop("target_layer_ids"),
+            },
+        }
+        for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
+            value = d.pop(name)
+            if name == "final_logit_softcapping" and value is None:
+                continue
+            if name != "final_logit_softcapping" and value == 1.0:
+                continue
+            out["dflash_config"][name] = value
+        if d["is_causal"] is None:
+            d.pop("is_causal")
+        d["use_sliding_window"] = d["sliding_window"] is not None
+        d["layer_types"] = d["layer_types"] or ["full_attention"] * self.num_hidden_layers
+        out.update(d)
+        out.update(self.extra)
+        out.setdefault("dtype", "float32")
+        return out
+
+    def save(self, folder: str | Path) -> None:
+        """Write `config.json` into `folder`."""
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")

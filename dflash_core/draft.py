@@ -1,0 +1,309 @@
+"""The DFlash draft model: a few Qwen3-style layers whose block queries attend to projected target context.
+
+Weight names follow z-lab checkpoints (`fc`, `hidden_norm`, `norm`, `layers.N.self_attn.*`, `layers.N.mlp.*`,
+`layers.N.input_layernorm`, `layers.N.post_attention_layernorm`); `embed_tokens` and `lm_head` are the target's.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_core.config import DraftConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, as Qwen3/Llama do."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse RoPE frequencies, with Llama-3 style scaling when the config asks for it."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    elif kind not in ("default", None):
+        raise ValueError(f"unsupported rope_scaling type {kind!r} in draft config")
+    return inv_freq.float()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [b, heads, n, d]; cos/sin: [b, n, d]."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+class DraftAttention(nn.Module):
+    """Block queries attend to [cached context ++ new context ++ the block] with q/k RMSNorm and RoPE."""
+
+    def __init__(self, cfg: DraftConfig, layer_idx: int) -> None:
+        super().__init__()
+        hd = cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        layer_type = cfg.layer_types[layer_idx] if cfg.layer_types else "full_attention"
+        sliding = layer_type == "sliding_attention"
+        self.is_causal = sliding if cfg.is_causal is None else bool(cfg.is_causal)
+        self.sliding_window = cfg.sliding_window if sliding else None
+
+    def _heads(self, x: torch.Tensor, n_heads: int) -> torch.Tensor:
+        return x.view(x.shape[0], x.shape[1], n_heads, self.head_dim).transpose(1, 2)
+
+    def context_kv(
+        self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of projected context rows: [b, kv_heads, n, d]."""
+        k = apply_rope(self.k_norm(self._heads(self.k_proj(ctx), self.num_kv_heads)), cos, sin)
+        return k, self._heads(self.v_proj(ctx), self.num_kv_heads)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(h), self.num_heads)), cos, sin)
+        k_blk = apply_rope(self.k_norm(self._heads(self.k_proj(h), self.num_kv_heads)), cos, sin)
+        v_blk = self._heads(self.v_proj(h), self.num_kv_heads)
+        k = torch.cat([ctx_k, k_blk], dim=2)
+        v = torch.cat([ctx_v, v_blk], dim=2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(h.shape[0], h.shape[1], -1))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        if cfg.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r} in draft config")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = DraftAttention(cfg, layer_idx)
+        self.mlp = DraftMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):  # noqa: ANN001, ANN201 - hot path, types as in DraftModel
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DraftKVCache:
+    """Per-request context keys/values of the draft, one growing buffer per layer (only committed rows)."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.length = 0
+
+    def get(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        k, v = self.k[layer], self.v[layer]
+        if k is None:
+            return None, None
+        return k[:, :, : self.length], v[:, :, : self.length]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write rows at [length, length + n); the caller advances `length` once all layers are written."""
+        n = k.shape[2]
+        buf_k = self.k[layer]
+        if buf_k is None or buf_k.shape[2] < self.length + n:
+            cap = max(64, 2 * (self.length + n))
+            new_k = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
+            new_v = v.new_empty(v.shape[0], v.shape[1], cap, v.shape[3])
+            if buf_k is not None:
+                new_k[:, :, : self.length] = buf_k[:, :, : self.length]
+                new_v[:, :, : self.length] = self.v[layer][:, :, : self.length]
+            self.k[layer], self.v[layer] = new_k, new_v
+        self.k[layer][:, :, self.length : self.length + n] = k
+        self.v[layer][:, :, self.length : self.length + n] = v
+
+
+class DFlashDraft(nn.Module):
+    """DFlash draft network. `forward` returns final-normed hidden states of the block rows."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DraftLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Kept out of the state dict and out of `.to(dtype)`: RoPE frequencies stay float32.
+        self._inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    @property
+    def block_size(self) -> int:
+        return self.cfg.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.cfg.mask_token_id
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [b, n, head_dim] for integer positions [b, n]."""
+        if self._inv_freq.device != positions.device:
+            self._inv_freq = self._inv_freq.to(positions.device)
+        freqs = positions[..., None].float() * self._inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def embed(self, token_ids: torch.Tensor, embed_weight: torch.Tensor) -> torch.Tensor:
+        """Block embeddings through the target's embedding table."""
+        emb = F.embedding(token_ids, embed_weight)
+        return emb * self.cfg.input_embedding_scale if self.cfg.input_embedding_scale != 1.0 else emb
+
+    def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """Logits through the target's output head (with the optional multiplier and soft-cap)."""
+        logits = F.linear(hidden, lm_head_weight)
+        if self.cfg.output_multiplier != 1.0:
+            logits = logits * self.cfg.output_multiplier
+        cap = self.cfg.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _mask(
+        self, layer: DraftLayer, q_pos: torch.Tensor, k_pos: torch.Tensor, base: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        attn = layer.self_attn
+        if not attn.is_causal and attn.sliding_window is None:
+            return base
+        qp, kp = q_pos[:, None, :, None], k_pos[:, None, None, :]
+        visible = torch.ones(qp.shape[0], 1, qp.shape[2], kp.shape[3], dtype=torch.bool, device=qp.device)
+        if attn.is_causal:
+            visible &= kp <= qp
+        if attn.sliding_window is not None:
+            visible &= (qp - kp) < attn.sliding_window
+            if not attn.is_causal:
+                visible &= (kp - qp) < attn.sliding_window
+        return visible if base is None else visible & base
+
+    def forward(
+        self,
+        block_emb: torch.Tensor,
+        block_pos: torch.Tensor,
+        ctx_features: torch.Tensor | None,
+        ctx_pos: torch.Tensor | None,
+        cache: DraftKVCache | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run the block.
+
+        block_emb [b, q, H] at positions block_pos [b, q]; ctx_features [b, c, len(ids)*H] are new target context rows
+        at ctx_pos [b, c] (appended to `cache` when given; the cache's older rows sit at positions 0..len-1).
+        `mask` (bool [b, 1, q, keys]) overrides visibility over keys [cached ++ new ctx ++ block] (used in training).
+        """
+        dtype = block_emb.dtype
+        cos_q, sin_q = self.rope(block_pos, dtype)
+        ctx = None
+        if ctx_features is not None and ctx_features.shape[1] > 0:
+            ctx = self.hidden_norm(self.fc(ctx_features))
+            cos_c, sin_c = self.rope(ctx_pos, dtype)
+        past = cache.length if cache is not None else 0
+        parts = [torch.arange(past, device=block_pos.device).expand(block_pos.shape[0], past)]
+        if ctx is not None:
+            parts.append(ctx_pos)
+        k_pos = torch.cat(parts + [block_pos], dim=1)
+        x = block_emb
+        for i, layer in enumerate(self.layers):
+            ks, vs = [], []
+            if cache is not None:
+                old_k, old_v = cache.get(i)
+                if old_k is not None:
+                    ks.append(old_k)
+                    vs.append(old_v)
+            if ctx is not None:
+                new_k, new_v = layer.self_attn.context_kv(ctx, cos_c, sin_c)
+                ks.append(new_k)
+                vs.append(new_v)
+                if cache is not None:
+                    cache.append(i, new_k, new_v)
+            if ks:
+                ctx_k = torch.cat(ks, dim=2) if len(ks) > 1 else ks[0]
+                ctx_v = torch.cat(vs, dim=2) if len(vs) > 1 else vs[0]
+            else:
+                shape = (x.shape[0], layer.self_attn.num_kv_heads, 0, layer.self_attn.head_dim)
+                ctx_k = ctx_v = x.new_zeros(shape)
+            x = layer(x, cos_q, sin_q, ctx_k, ctx_v, self._mask(layer, block_pos, k_pos, mask))
+        if cache is not None and ctx is not None:
+            cache.length += ctx.shape[1]
+        return self.norm(x)
+
+    # ---- checkpoint I/O (z-lab layout) ----
+    def save(self, folder: str | Path) -> None:
+        """Write a z-lab-format draft folder: config.json + model.safetensors."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.cfg.save(folder)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+        """Load a z-lab draft folder (config.json + *.safetensors)."""
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        cfg = DraftConfig.from_file(folder)
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{folder}: no *.safetensors weights")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            for k, v in load_file(str(f)).items():
+                state[k.removeprefix("model.")] = v
+        for name in ("embed_tokens.weight", "lm_head.weight"):
+            state.pop(name, None)
+        model = cls(cfg)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{folder}: draft weights do not match config (missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]})")
+        return model.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,162 @@
+"""Load a target (any transformers causal LM) and a z-lab-format DFlash draft; check that they pair."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_core.config import DraftConfig
+from dflash_core.draft import DFlashDraft
+from dflash_core.engine import DFlashDrafter, Engine
+from dflash_core.target import HFTarget
+
+log = logging.getLogger("dflash.loading")
+
+DEMO_DIR = Path(__file__).resolve().parent / "demo_models"
+DEMO_TARGET = DEMO_DIR / "target"
+DEMO_DRAFT = DEMO_DIR / "draft"
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass
+class LoadedModels:
+    """Everything the server or a benchmark needs, loaded once."""
+
+    engine: Engine
+    tokenizer: Any
+    target_name: str
+    draft_name: str | None
+    device: str
+    dtype: str
+    block_size: int
+    backend: str = "hf"
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """CUDA when present, else CPU; an explicit name is taken as is."""
+    if device in ("auto", "", None):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """bf16 on CUDA, fp32 on CPU, unless named."""
+    if dtype in ("auto", "", None):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+def local_folder(name_or_path: str | Path) -> Path:
+    """A local folder, or a hub id fetched into the local cache (only on machines that have a hub)."""
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(name_or_path)))
+    except Exception as exc:  # offline, missing, private: one clear message
+        raise FileNotFoundError(f"{name_or_path!r} is neither a local folder nor a reachable hub id: {exc}") from exc
+
+
+def check_pair(cfg: DraftConfig, target: HFTarget) -> None:
+    """Fail with a message naming the field when the draft does not fit the target."""
+    if cfg.hidden_size != target.hidden_size:
+        raise ValueError(f"draft/target mismatch in hidden_size: draft {cfg.hidden_size}, target {target.hidden_size}")
+    if cfg.vocab_size != target.vocab_size:
+        raise ValueError(f"draft/target mismatch in vocab_size: draft {cfg.vocab_size}, target {target.vocab_size}")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_layers]
+    if bad:
+        raise ValueError(
+            f"draft/target mismatch in target_layer_ids: {bad} not in the target's {target.num_layers} layers"
+        )
+    if not 0 <= cfg.mask_token_id < target.vocab_size:
+        raise ValueError(
+            f"draft/target mismatch in mask_token_id: {cfg.mask_token_id} outside the vocabulary ({target.vocab_size})"
+        )
+    if cfg.num_target_layers != target.num_layers:
+        log.warning("draft was trained for %d target layers, target has %d", cfg.num_target_layers, target.num_layers)
+
+
+def eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    """EOS ids from the generation config and the tokenizer."""
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    for value in (getattr(gen, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return sorted(ids)
+
+
+def load_target(path: str | Path, device: torch.device, dtype: torch.dtype) -> Any:
+    """A transformers causal LM in eval mode on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(local_folder(path)), dtype=dtype)
+    return model.to(device).eval()
+
+
+def load_models(
+    target: str | Path | None = None,
+    draft: str | Path | None = None,
+    tokenizer: str | Path | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    block_size: int | None = None,
+    max_model_len: int | None = None,
+    speculative: bool = True,
+) -> LoadedModels:
+    """Load target + draft + tokenizer into an Engine. No target means the bundled demo pair."""
+    from transformers import AutoTokenizer
+
+    if target is None:
+        target, draft = DEMO_TARGET, draft or DEMO_DRAFT
+        if not Path(target).exists():
+            raise FileNotFoundError(f"the bundled demo pair is missing at {DEMO_DIR}")
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    tok = AutoTokenizer.from_pretrained(str(local_folder(tokenizer or target)))
+    model = load_target(target, dev, dt)
+    use_draft = speculative and draft is not None and (block_size is None or block_size > 1)
+    drafter = None
+    if use_draft:
+        draft_path = local_folder(draft)
+        cfg = DraftConfig.from_file(draft_path)
+        hf_target = HFTarget(model, cfg.target_layer_ids)
+        check_pair(cfg, hf_target)
+        draft_model = DFlashDraft.from_folder(draft_path, device=dev, dtype=dt)
+        if block_size is not None and block_size < 2:
+            raise ValueError(f"block_size must be at least 2 with a draft, got {block_size}")
+        drafter = DFlashDrafter(draft_model, hf_target, block_size or cfg.block_size)
+    else:
+        hf_target = HFTarget(model)
+    max_len = max_model_len or hf_target.max_position_embeddings
+    engine = Engine(hf_target, drafter, eos_token_ids=eos_ids(model, tok), max_model_len=max_len)
+    return LoadedModels(
+        engine=engine,
+        tokenizer=tok,
+        target_name=str(target),
+        draft_name=str(draft) if use_draft else None,
+        device=str(dev),
+        dtype=str(dt).removeprefix("torch."),
+        block_size=engine.block_size,
+    )

@@ -1,0 +1,83 @@
+"""Target adapter over any transformers causal LM: logits plus the context features the draft reads."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # [n, V] float32
+    features: torch.Tensor | None  # [n, len(layer_ids) * H], or None when not asked for
+
+
+class HFTarget:
+    """Batch-1 forward of a transformers `AutoModelForCausalLM` with a per-request `DynamicCache`.
+
+    The feature of target layer i is `output_hidden_states[i + 1]` (for the last layer transformers returns it
+    after the final norm), concatenated over `layer_ids` on the feature axis.
+    """
+
+    backend = "hf"
+
+    def __init__(self, model: nn.Module, layer_ids: list[int] | None = None) -> None:
+        self.model = model.eval()
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.config = cfg
+        self.num_layers = int(cfg.num_hidden_layers)
+        self.hidden_size = int(cfg.hidden_size)
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.max_position_embeddings = int(getattr(cfg, "max_position_embeddings", 4096))
+        self.layer_ids = list(layer_ids or [])
+        # transformers 5.x renamed `past_key_values` to `cache`; 4.57 only knows the old name.
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache()
+
+    @staticmethod
+    def cache_length(cache: DynamicCache) -> int:
+        return int(cache.get_seq_length())
+
+    @staticmethod
+    def crop(cache: DynamicCache, length: int) -> None:
+        """Roll the cache back to `length` positions (negative crop works on transformers 4.57 and 5.x)."""
+        remove = int(cache.get_seq_length()) - length
+        if remove > 0:
+            cache.crop(-remove)
+
+    @torch.inference_mode()
+    def forward(
+        self, token_ids: list[int], start: int, cache: DynamicCache, features: bool, last_only: bool = False
+    ) -> TargetOutput:
+        """Run tokens at positions start.. with the cache; logits for every row (or the last only)."""
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        pos = torch.arange(start, start + len(token_ids), device=self.device)[None]
+        want_hidden = features and bool(self.layer_ids)
+        out = self.model(
+            input_ids=ids,
+            position_ids=pos,
+            use_cache=True,
+            output_hidden_states=want_hidden,
+            logits_to_keep=1 if last_only else 0,
+            **{self._cache_kw: cache},
+        )
+        feats = None
+        if want_hidden:
+            feats = torch.cat([out.hidden_states[i + 1][0] for i in self.layer_ids], dim=-1)
+        return TargetOutput(logits=out.logits[0].float(), features=feats)
