@@ -238,7 +238,8 @@ class Engine:
         token = choose_tokens(out.logits, req.params, req.seed, len(req.prompt))
         if use_draft:
             req.draft_state = self.drafter.new_state(req.prompt)
-            self.drafter.extend_context(req.draft_state, out.features)
+            if out.features is not None:
+                self.drafter.extend_context(req.draft_state, out.features)
         req.position = len(req.prompt)
         step = self._commit(req, token, out.logits, StepOutput(req.id, [], is_prefill=True))
         req.stats.prefill_time += time.perf_counter() - t0
@@ -255,7 +256,7 @@ class Engine:
         while accepted < len(proposals) and proposals[accepted] == chosen[accepted]:
             accepted += 1
         self.target.crop(req.cache, p + accepted + 1)
-        if proposals:
+        if out.features is not None:
             self.drafter.extend_context(req.draft_state, out.features[: accepted + 1])
         req.position = p + accepted + 1
 

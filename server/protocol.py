@@ -1,0 +1,320 @@
+"""OpenAI-compatible request/response models and the error envelope.
+
+Requests are validated strictly (a string is not a number); every problem becomes a 400 with the
+OpenAI error envelope, never FastAPI's 422. Fields of the OpenAI API that we do not implement are
+accepted only with their neutral value (e.g. ``presence_penalty: 0``); anything else names the field
+in a 400. Unknown fields are rejected the same way.
+
+Extensions (vLLM-style, outside the OpenAI schema): ``top_k``, ``ignore_eos``, ``stop_token_ids`` and, for
+chat, ``chat_template_kwargs`` in requests; in responses, and in the final usage chunk of a stream, a
+``dflash`` object with the speculative summary summed over choices: ``num_drafts`` (verify steps with a
+draft), ``num_draft_tokens``, ``num_accepted_tokens`` and ``mean_acceptance_length`` (1 + accepted / drafts).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+MAX_N = 8
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_PROMPTS = 64
+
+
+class APIError(Exception):
+    """An error answered with the OpenAI envelope."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body ``{"error": {...}}``."""
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI error envelope."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# --- fields we do not implement: accepted only with a neutral value -------------------------------------
+
+
+def _neutral(*values: Any) -> Any:
+    """A check that accepts None or one of ``values`` (numbers compare by value, booleans by identity)."""
+
+    def check(v: Any) -> bool:
+        if v is None:
+            return True
+        for x in values:
+            if isinstance(x, bool) or isinstance(v, bool):
+                if v is x:
+                    return True
+            elif v == x:
+                return True
+        return False
+
+    return check
+
+
+_COMMON_UNSUPPORTED: dict[str, Any] = {
+    "presence_penalty": _neutral(0),
+    "frequency_penalty": _neutral(0),
+    "repetition_penalty": _neutral(1),
+    "logit_bias": _neutral({}),
+    "min_p": _neutral(0),
+    "min_tokens": _neutral(0),
+    "best_of": _neutral(1),
+    "use_beam_search": _neutral(False),
+    "length_penalty": _neutral(1),
+    "guided_json": _neutral(),
+    "guided_regex": _neutral(),
+    "guided_choice": _neutral(),
+    "guided_grammar": _neutral(),
+    "prompt_logprobs": _neutral(),
+    "service_tier": _neutral("auto", "default"),
+    "store": _neutral(False),
+    "metadata": _neutral({}),
+}
+
+_CHAT_UNSUPPORTED: dict[str, Any] = {
+    **_COMMON_UNSUPPORTED,
+    "tools": _neutral([]),
+    "tool_choice": _neutral("none"),
+    "functions": _neutral([]),
+    "function_call": _neutral("none"),
+    "parallel_tool_calls": lambda v: v is None or isinstance(v, bool),
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "audio": _neutral(),
+    "modalities": _neutral(["text"]),
+    "prediction": _neutral(),
+    "reasoning_effort": _neutral(),
+    "web_search_options": _neutral(),
+    "verbosity": _neutral(),
+}
+
+_COMPLETION_UNSUPPORTED: dict[str, Any] = {
+    **_COMMON_UNSUPPORTED,
+    "echo": _neutral(False),
+    "suffix": _neutral(""),
+}
+
+
+def _drop_neutral(data: Any, table: dict[str, Any]) -> Any:
+    """Remove neutral unsupported fields; raise a ValueError naming a non-neutral one."""
+    if not isinstance(data, dict):
+        return data
+    out = dict(data)
+    for name, is_neutral in table.items():
+        if name in out:
+            if not is_neutral(out[name]):
+                raise ValueError(f"unsupported field '{name}': this server does not implement it")
+            del out[name]
+    return out
+
+
+# --- request models -------------------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[dict[str, Any]]
+    name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, v: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+        if isinstance(v, str):
+            return v
+        for part in v:
+            kind = part.get("type")
+            if kind != "text":
+                raise ValueError(f"content part type {kind!r} is not supported (only 'text')")
+            if not isinstance(part.get("text"), str):
+                raise ValueError("a text content part needs a string 'text'")  # noqa: TRY004 (pydantic)
+            extra = set(part) - {"type", "text"}
+            if extra:
+                raise ValueError(f"unsupported content part field(s): {', '.join(sorted(extra))}")
+        return v
+
+    def text(self) -> str:
+        """The content as one string (text parts joined)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p["text"] for p in self.content)
+
+
+class _SamplingFields(_Strict):
+    model: str
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        items = [v] if isinstance(v, str) else (v or [])
+        if len(items) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(s == "" for s in items):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    def stop_list(self) -> list[str]:
+        """Stop strings as a list."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def include_usage(self) -> bool:
+        """Whether a final usage chunk is asked for."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        return _drop_neutral(data, _CHAT_UNSUPPORTED)
+
+    @model_validator(mode="after")
+    def _logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        """max_completion_tokens wins over the older max_tokens."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token, or None when logprobs are off."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        return _drop_neutral(data, _COMPLETION_UNSUPPORTED)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt must not be empty")
+            if len(v) > MAX_PROMPTS and not isinstance(v[0], int):
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+            if any(isinstance(p, (str, list)) and len(p) == 0 for p in v):
+                raise ValueError("prompt must not be empty")
+        elif v == "":
+            raise ValueError("prompt must not be empty")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request (one per batch entry)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+def validation_error_to_api(e: ValidationError) -> APIError:
+    """Turn a pydantic error into a 400 naming the first offending field."""
+    err = e.errors(include_url=False)[0]
+    if err["type"] == "json_invalid":
+        return APIError(400, f"malformed JSON body: {err['msg']}")
+    loc = [str(x) for x in err["loc"] if not _is_union_tag(x)]
+    param = ".".join(loc) or None
+    msg = err["msg"]
+    msg = msg.removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        msg = f"unrecognized request field '{loc[-1]}'"
+    elif err["type"] == "missing":
+        msg = f"missing required field '{param}'"
+    elif param and not msg.startswith("unsupported field"):
+        msg = f"{param}: {msg}"
+    if msg.startswith("unsupported field '"):
+        param = msg.split("'")[1]
+    return APIError(400, msg, param=param)
+
+
+def _is_union_tag(x: Any) -> bool:
+    return isinstance(x, str) and ("[" in x or x in {"str", "int", "float", "bool", "list", "dict"})
+
+
+# --- responses ------------------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    """``chatcmpl-<hex>`` / ``cmpl-<hex>``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_ts() -> int:
+    """The ``created`` timestamp."""
+    return int(time.time())
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI usage block."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

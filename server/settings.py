@@ -1,0 +1,172 @@
+"""Server settings: command-line flag > environment (``DFLASH_*``) > YAML config > default."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import yaml
+
+ENV_PREFIX = "DFLASH_"
+
+
+@dataclass
+class Settings:
+    """Every setting of the server; names equal the YAML keys and (upper-cased) the DFLASH_ variables."""
+
+    target: str | None = field(
+        default=None, metadata={"help": "target model folder or hub id (default: the bundled demo target)"}
+    )
+    draft: str | None = field(
+        default=None,
+        metadata={"help": "DFlash draft folder or hub id (default: the demo draft, with the demo target)"},
+    )
+    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer (default: the target's)"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:N"})
+    dtype: str = field(default="auto", metadata={"help": "auto, float32, bfloat16, float16"})
+    block_size: int | None = field(default=None, metadata={"help": "draft block size (default: the draft's)"})
+    speculative: bool = field(
+        default=True,
+        metadata={"help": "DFlash speculative decoding; --no-speculative serves the target autoregressively"},
+    )
+    host: str = field(default="127.0.0.1", metadata={"help": "bind address"})
+    port: int = field(default=8000, metadata={"help": "bind port"})
+    max_running_requests: int = field(default=8, metadata={"help": "requests decoded concurrently"})
+    max_waiting_requests: int = field(
+        default=64, metadata={"help": "requests queued beyond the running ones before answering 429"}
+    )
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "context length limit (default: the model's)"}
+    )
+    served_model_name: str | None = field(
+        default=None, metadata={"help": "model name in the API (default: the target's folder name)"}
+    )
+    api_key: str | None = field(default=None, metadata={"help": "require 'Authorization: Bearer KEY' on /v1"})
+    log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
+    log_json: bool = field(default=False, metadata={"help": "log one JSON object per line"})
+
+    def validate(self) -> None:
+        """Raise ValueError on an impossible setting."""
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1")
+        if self.max_waiting_requests < 0:
+            raise ValueError("max_waiting_requests must be >= 0")
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+            raise ValueError(f"log_level must be debug, info, warning, error or critical: {self.log_level!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError("port must be in 0..65535")
+
+    def public_dict(self) -> dict[str, Any]:
+        """Settings for logs, the API key masked."""
+        d = dataclasses.asdict(self)
+        if d["api_key"]:
+            d["api_key"] = "***"
+        return d
+
+
+_FIELDS = {f.name: f for f in fields(Settings)}
+
+
+def _base_type(name: str) -> type:
+    hint = typing.get_type_hints(Settings)[name]
+    if isinstance(hint, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0]
+    return hint
+
+
+def _is_optional(name: str) -> bool:
+    hint = typing.get_type_hints(Settings)[name]
+    return isinstance(hint, types.UnionType) and type(None) in typing.get_args(hint)
+
+
+def convert(name: str, raw: Any, source: str) -> Any:
+    """Convert a YAML / environment value to the setting's type (ValueError naming the source)."""
+    base = _base_type(name)
+    if raw is None or (isinstance(raw, str) and raw.strip().lower() in ("", "none", "null")):
+        if _is_optional(name):
+            return None
+        raise ValueError(f"{source}: '{name}' must not be empty")
+    if base is bool:
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{source}: '{name}' must be a boolean, got {raw!r}")
+    if base is int:
+        if isinstance(raw, bool):
+            raise ValueError(f"{source}: '{name}' must be an integer, got {raw!r}")
+        try:
+            return int(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"{source}: '{name}' must be an integer, got {raw!r}") from None
+    return str(raw)
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Read a YAML config; unknown keys are an error (catches typos)."""
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise TypeError(f"{path}: expected a mapping of setting names to values")
+    unknown = sorted(set(data) - set(_FIELDS))
+    if unknown:
+        raise ValueError(f"{path}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(_FIELDS)}")
+    return {k: convert(k, v, path) for k, v in data.items()}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dflash-serve`` command line: one flag per setting plus ``--config``."""
+    p = argparse.ArgumentParser(
+        prog="dflash-serve",
+        description="OpenAI-compatible server with DFlash speculative decoding. "
+        "Precedence: flag > DFLASH_* environment > --config YAML > default.",
+    )
+    p.add_argument(
+        "--config", default=None, help="YAML file whose keys are setting names (env: DFLASH_CONFIG)"
+    )
+    for f in fields(Settings):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{f.metadata.get('help', '')} (env: {ENV_PREFIX}{f.name.upper()})"
+        base = _base_type(f.name)
+        if base is bool:
+            p.add_argument(
+                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+        else:
+            p.add_argument(flag, dest=f.name, default=None, help=help_text, metavar=f.name.upper())
+    return p
+
+
+def resolve_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Settings:
+    """Merge flags, environment, YAML and defaults into Settings."""
+    env = os.environ if env is None else env
+    args = build_parser().parse_args(argv)
+    values: dict[str, Any] = {}
+    config = args.config or env.get(ENV_PREFIX + "CONFIG")
+    if config:
+        values.update(load_yaml(config))
+    for name in _FIELDS:
+        key = ENV_PREFIX + name.upper()
+        if key in env:
+            values[name] = convert(name, env[key], f"environment {key}")
+    for name in _FIELDS:
+        value = getattr(args, name)
+        if value is not None:
+            values[name] = convert(name, value, "flag --" + name.replace("_", "-"))
+    settings = Settings(**values)
+    settings.validate()
+    return settings

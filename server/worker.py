@@ -1,0 +1,440 @@
+"""The single worker thread that owns the Engine, and its bridge to asyncio.
+
+The event loop submits ``RequestHandle`` objects; the thread admits up to ``max_running`` of them into
+the engine (the rest wait in a bounded queue), calls ``Engine.step()``, detokenizes every output right
+away (stop strings are found here, so a stopped request is aborted before it wastes another step),
+and posts ``WorkerEvent`` objects to each request's asyncio queue with ``loop.call_soon_threadsafe``.
+No model call ever runs on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from server.detokenize import RequestDecoder
+
+if TYPE_CHECKING:
+    from dflash_core.engine import Engine, StepOutput, TokenLogprob
+    from dflash_core.sampling import SamplingParams
+    from server.metrics import ServerMetrics
+
+log = logging.getLogger("dflash.worker")
+IDLE_WAKE_S = 1.0
+
+
+class QueueFullError(Exception):
+    """The waiting queue is full (answered with 429)."""
+
+
+@dataclass
+class SpecSummary:
+    """Speculative-decoding summary of one request (or a sum over choices)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def __add__(self, other: SpecSummary) -> SpecSummary:
+        return SpecSummary(
+            self.num_drafts + other.num_drafts,
+            self.num_draft_tokens + other.num_draft_tokens,
+            self.num_accepted_tokens + other.num_accepted_tokens,
+        )
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """1 + accepted / drafts (1.0 without drafts), as vLLM reports it."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``dflash`` field of responses."""
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+        }
+
+
+@dataclass
+class WorkerError:
+    """A failure of one request: HTTP status, OpenAI error type, message."""
+
+    status: int
+    type: str
+    message: str
+
+
+@dataclass
+class WorkerEvent:
+    """What one engine step produced for one request (one SSE chunk at most)."""
+
+    index: int
+    text: str = ""
+    num_tokens: int = 0  # tokens committed this step (counted in usage)
+    logprobs: list[TokenLogprob] | None = None  # one per token whose text is part of the output
+    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last event
+    completion_tokens: int = 0  # on the last event: tokens of the whole request
+    spec: SpecSummary | None = None  # on the last event
+    error: WorkerError | None = None  # the request failed (last event)
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """One engine request as seen by the event loop (a choice of an HTTP request)."""
+
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stop: list[str]
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[WorkerEvent]
+    request_id: str = ""  # for logs: "<response id>-<choice index>"
+    arrival: float = field(default_factory=time.monotonic)
+    uid: int = field(default_factory=lambda: next(_ids))
+
+    def post(self, event: WorkerEvent) -> None:
+        """Hand an event to the event loop (thread-safe)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+@dataclass(eq=False)
+class _Request:
+    """Worker-side state of one request."""
+
+    handle: RequestHandle
+    decoder: RequestDecoder
+    rid: int | None = None
+    admitted: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    num_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    done: bool = False  # the client has its last event
+    aborted: bool = False  # the client went away
+
+
+class Worker:
+    """Owns the engine in one thread; thread-safe ``submit`` / ``abort`` for the event loop."""
+
+    def __init__(
+        self, engine: Engine, tokenizer: Any, metrics: ServerMetrics, *, max_running: int, max_waiting: int
+    ) -> None:
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self._metrics = metrics
+        self._max_running = max_running
+        self._capacity = max_running + max_waiting
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._in_system = 0  # submitted and not yet answered (guarded by _lock)
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._active: dict[int, _Request] = {}  # engine request id -> request (until released)
+        self._by_uid: dict[int, _Request] = {}
+        self._thread = threading.Thread(target=self._run, name="dflash-worker", daemon=True)
+        self.num_running = 0
+        self.num_waiting = 0
+
+    # --- event-loop side --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the worker thread."""
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort everything still in flight and end the thread."""
+        if self._thread.is_alive():
+            self._inbox.put(("stop", None))
+            self._thread.join(timeout)
+
+    @property
+    def capacity(self) -> int:
+        """Requests the server holds at once (running + waiting)."""
+        return self._capacity
+
+    def is_alive(self) -> bool:
+        """Whether the worker thread runs."""
+        return self._thread.is_alive()
+
+    def submit(self, handles: list[RequestHandle]) -> None:
+        """Queue the requests of one HTTP request, all or none (QueueFullError when full)."""
+        with self._lock:
+            if self._in_system + len(handles) > self._capacity:
+                raise QueueFullError(f"server is at capacity ({self._capacity} requests in flight)")
+            self._in_system += len(handles)
+        for h in handles:
+            self._inbox.put(("add", h))
+
+    def abort(self, handle: RequestHandle) -> None:
+        """The client is gone: drop the request at the next step."""
+        self._inbox.put(("abort", handle))
+
+    # --- worker thread ----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            try:
+                if self._iteration():
+                    break
+            except Exception:  # a bug here must not kill the thread that serves everyone
+                log.exception("worker iteration failed")
+                time.sleep(0.01)
+        self._shutdown()
+
+    def _iteration(self) -> bool:
+        """Take commands, admit, step once; True when asked to stop."""
+        cmds: list[tuple[str, Any]] = []
+        if not self._waiting and not self._active:  # idle: block, waking now and then for the summary log
+            try:
+                cmds.append(self._inbox.get(timeout=IDLE_WAKE_S))
+            except queue.Empty:
+                self._metrics.maybe_log_summary(time.monotonic())
+                return False
+        while True:
+            try:
+                cmds.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        for kind, obj in cmds:
+            if kind == "stop":
+                return True
+            if kind == "add":
+                self._add(obj)
+            elif kind == "abort":
+                self._abort(obj)
+        self._admit()
+        self._publish_queue_state()
+        if self._active:
+            self._step()
+            self._publish_queue_state()
+        self._metrics.maybe_log_summary(time.monotonic())
+        return False
+
+    def _publish_queue_state(self) -> None:
+        self.num_running = len(self._active)
+        self.num_waiting = len(self._waiting)
+        self._metrics.set_queue_state(self.num_running, self.num_waiting)
+
+    def _add(self, h: RequestHandle) -> None:
+        r = _Request(handle=h, decoder=RequestDecoder(self._tokenizer, h.prompt_token_ids, h.stop))
+        self._by_uid[h.uid] = r
+        self._waiting.append(r)
+
+    def _abort(self, h: RequestHandle) -> None:
+        r = self._by_uid.get(h.uid)
+        if r is None or r.done:
+            return
+        r.aborted = True
+        if r.rid is None:  # still waiting: never reached the engine
+            self._waiting.remove(r)
+            self._finish(r, "abort", now=time.monotonic())
+            del self._by_uid[h.uid]
+        else:
+            self._engine.abort(r.rid)
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._active) < self._max_running:
+            r = self._waiting.popleft()
+            h = r.handle
+            try:
+                rid = self._engine.add_request(h.prompt_token_ids, h.params)
+            except ValueError as e:
+                self._fail(r, WorkerError(400, "invalid_request_error", str(e)))
+                continue
+            except Exception as e:
+                log.exception("engine.add_request failed")
+                self._fail(r, WorkerError(500, "server_error", f"engine error: {e}"))
+                continue
+            r.rid = rid
+            r.admitted = time.monotonic()
+            self._active[rid] = r
+
+    def _step(self) -> None:
+        try:
+            outputs = self._engine.step()
+        except Exception as e:
+            log.exception("engine.step failed")
+            live = [r for r in self._active.values() if not r.done]
+            for r in live:
+                self._fail(r, WorkerError(500, "server_error", f"engine error: {e}"))
+                try:
+                    self._engine.abort(r.rid)  # type: ignore[arg-type]
+                except Exception:
+                    log.exception("engine.abort failed")
+            if not live:  # the engine keeps failing on requests nobody waits for: forget them
+                for rid in list(self._active):
+                    self._release(rid)
+            return
+        now = time.monotonic()
+        for out in outputs:
+            try:
+                self._on_output(out, now)
+            except Exception as e:
+                log.exception("processing the output of request %s failed", out.request_id)
+                r = self._active.get(out.request_id)
+                if r is not None and not r.done:
+                    self._fail(r, WorkerError(500, "server_error", f"output processing error: {e}"))
+                    self._engine.abort(out.request_id)
+
+    def _on_output(self, out: StepOutput, now: float) -> None:
+        r = self._active.get(out.request_id)
+        if r is None:
+            return
+        if r.done:  # answered already (stop string, error): wait for the engine to let go of it
+            if out.finish_reason is not None:
+                self._release(out.request_id)
+            return
+        if out.finish_reason == "error":
+            self._metrics.observe_step(out, now)
+            self._fail(r, WorkerError(500, "server_error", f"engine error: {out.error or 'unknown'}"))
+            self._release(out.request_id)
+            return
+        if out.finish_reason == "abort":
+            self._metrics.observe_step(out, now)
+            self._finish(r, "abort", now)
+            self._release(out.request_id)
+            return
+
+        tokens = list(out.new_token_ids)
+        text_tokens = tokens[:-1] if out.stop_token_id is not None and tokens else tokens
+        res = r.decoder.feed(text_tokens)
+        finish = out.finish_reason
+        text = res.text
+        if res.stop_string is not None:
+            kept = tokens[: res.tokens_used]
+            n_text = res.tokens_used
+            finish = "stop"
+        else:
+            kept = tokens
+            n_text = len(text_tokens)
+            if finish is not None:
+                tail = r.decoder.finish()
+                text += tail.text
+                if tail.stop_string is not None:
+                    finish = "stop"
+        logprobs = list(out.logprobs[:n_text]) if out.logprobs is not None else None
+        engine_finished = out.finish_reason is not None
+        if len(kept) != len(tokens) or finish != out.finish_reason:
+            out = dataclasses.replace(out, new_token_ids=kept, finish_reason=finish)
+        self._metrics.observe_step(out, now)
+
+        if kept:
+            if r.first_token is None:
+                r.first_token = now
+            elif r.last_token is not None:
+                gap = (now - r.last_token) / len(kept)
+                r.itl.extend([gap] * len(kept))
+            r.last_token = now
+        r.num_tokens += len(kept)
+        event = WorkerEvent(
+            index=r.handle.index, text=text, num_tokens=len(kept), logprobs=logprobs, finish_reason=finish
+        )
+        if finish is None:
+            r.handle.post(event)
+            return
+        self._finish(r, finish, now, event=event)
+        if engine_finished:
+            self._release(out.request_id)
+        else:  # cut by a stop string: stop generating now; released when the engine reports the abort
+            self._engine.abort(out.request_id)
+
+    def _spec(self, r: _Request) -> SpecSummary:
+        if r.rid is None:
+            return SpecSummary()
+        try:
+            st = self._engine.stats(r.rid)
+        except Exception:
+            log.warning("engine.stats(%s) failed", r.rid, exc_info=True)
+            return SpecSummary()
+        return SpecSummary(st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens)
+
+    def _finish(self, r: _Request, reason: str, now: float, event: WorkerEvent | None = None) -> None:
+        """Send the last event of a request and record it in the metrics."""
+        if r.done:
+            return
+        r.done = True
+        ev = event or WorkerEvent(index=r.handle.index)
+        ev.finish_reason = reason
+        ev.completion_tokens = r.num_tokens
+        ev.spec = self._spec(r)
+        self._release_capacity()
+        r.handle.post(ev)
+        self._observe_finished(r, reason, now, ev.spec)
+
+    def _fail(self, r: _Request, error: WorkerError) -> None:
+        """Fail one request alone."""
+        if r.done:
+            return
+        r.done = True
+        self._release_capacity()
+        r.handle.post(
+            WorkerEvent(
+                index=r.handle.index, finish_reason="error", error=error, completion_tokens=r.num_tokens
+            )
+        )
+        self._observe_finished(r, "error", time.monotonic())
+        if r.rid is None:
+            self._by_uid.pop(r.handle.uid, None)
+
+    def _observe_finished(
+        self, r: _Request, reason: str, now: float, spec: SpecSummary | None = None
+    ) -> None:
+        h = r.handle
+        spec = spec or self._spec(r)
+        start = r.admitted if r.admitted is not None else now
+        try:
+            self._metrics.observe_finished(
+                request_id=h.request_id,
+                finish_reason=reason,
+                prompt_tokens=len(h.prompt_token_ids),
+                generation_tokens=r.num_tokens,
+                mean_acceptance_length=spec.mean_acceptance_length,
+                queue_time=start - h.arrival,
+                ttft=None if r.first_token is None else r.first_token - h.arrival,
+                e2e=now - h.arrival,
+                inter_token_latencies=r.itl,
+            )
+        except Exception:
+            log.exception("metrics.observe_finished failed")
+
+    def _release_capacity(self) -> None:
+        with self._lock:
+            self._in_system -= 1
+
+    def _release(self, rid: int) -> None:
+        r = self._active.pop(rid, None)
+        if r is not None:
+            self._by_uid.pop(r.handle.uid, None)
+        try:
+            self._engine.release(rid)
+        except Exception:
+            log.exception("engine.release(%s) failed", rid)
+
+    def _shutdown(self) -> None:
+        """Abort whatever is still in flight (the server is going away)."""
+        error = WorkerError(503, "server_error", "server is shutting down")
+        for r in list(self._waiting) + list(self._active.values()):
+            self._fail(r, error)
+        for rid in list(self._active):
+            try:
+                self._engine.abort(rid)
+            except Exception:
+                log.exception("engine.abort failed")
+        self._waiting.clear()
+        self._active.clear()
+        self._publish_queue_state()
