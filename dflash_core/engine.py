@@ -17,7 +17,7 @@ import torch
 
 from dflash_core.draft import DFlashDraft, DraftKVCache
 from dflash_core.sampling import SamplingParams, choose_tokens, resolve_seed, token_logprobs
-from dflash_core.target import HFTarget
+from dflash_core.target import HFTarget, TargetOutput
 
 log = logging.getLogger("dflash.engine")
 
@@ -207,24 +207,45 @@ class Engine:
 
     # ---- the loop ----
     def step(self) -> list[StepOutput]:
-        """Advance every active request by one iteration (its prefill, or one draft+verify)."""
-        outputs = []
+        """Advance every active request by one iteration: its prefill, or one draft + verify.
+
+        The verify blocks of all decoding requests go to the target as one batch (one forward on the native
+        backend). A failure is confined to the request that caused it.
+        """
+        outputs: list[StepOutput] = []
+        decoding: list[_Request] = []
         for req in list(self._active.values()):
             if req.aborted:
-                out = StepOutput(req.id, [], finish_reason=FINISH_ABORT)
+                self._emit(req, StepOutput(req.id, [], finish_reason=FINISH_ABORT), outputs)
+            elif req.cache is None:
+                if self.target.has_free_cache():  # else it waits for a request to finish
+                    self._emit(req, self._guarded(req, self._prefill), outputs)
             else:
-                try:
-                    out = self._prefill(req) if req.cache is None else self._decode(req)
-                except Exception as exc:  # one request's failure must not take the others down
-                    log.exception("request %d failed", req.id)
-                    out = StepOutput(req.id, [], finish_reason=FINISH_ERROR, error=f"{type(exc).__name__}: {exc}")
-            if out.finish_reason is not None:
-                self._retire(req)
-            outputs.append(out)
+                decoding.append(req)
+        if decoding:
+            for req, out in self._decode_batch(decoding):
+                self._emit(req, out, outputs)
         return outputs
+
+    def _emit(self, req: _Request, out: StepOutput, outputs: list[StepOutput]) -> None:
+        if out.finish_reason is not None:
+            self._retire(req)
+        outputs.append(out)
+
+    @staticmethod
+    def _error(req: _Request, exc: BaseException) -> StepOutput:
+        log.error("request %d failed: %s", req.id, exc, exc_info=exc)
+        return StepOutput(req.id, [], finish_reason=FINISH_ERROR, error=f"{type(exc).__name__}: {exc}")
+
+    def _guarded(self, req: _Request, fn: Any, *args: Any) -> StepOutput:
+        try:
+            return fn(req, *args)
+        except Exception as exc:  # one request's failure must not take the others down
+            return self._error(req, exc)
 
     def _retire(self, req: _Request) -> None:
         del self._active[req.id]
+        self.target.release(req.cache)
         req.cache = req.draft_state = None
         self._finished[req.id] = req.stats
         while len(self._finished) > _KEEP_FINISHED_STATS:
@@ -245,18 +266,52 @@ class Engine:
         req.stats.prefill_time += time.perf_counter() - t0
         return step
 
-    def _decode(self, req: _Request) -> StepOutput:
-        t0 = time.perf_counter()
-        p, last = req.position, req.output[-1]
+    def _propose(self, req: _Request) -> list[int]:
         verify_size = min(self.block_size, req.params.max_tokens - len(req.output))
-        proposals = self.drafter.propose(req.draft_state, last, p, verify_size - 1) if verify_size > 1 else []
-        out = self.target.forward([last, *proposals], p, req.cache, features=bool(proposals))
+        if verify_size < 2:
+            return []
+        return self.drafter.propose(req.draft_state, req.output[-1], req.position, verify_size - 1)
+
+    def _decode_batch(self, reqs: list[_Request]) -> list[tuple[_Request, StepOutput]]:
+        t0 = time.perf_counter()
+        done: list[tuple[_Request, StepOutput]] = []
+        plans: list[tuple[_Request, list[int]]] = []
+        for req in reqs:
+            try:
+                plans.append((req, self._propose(req)))
+            except Exception as exc:
+                done.append((req, self._error(req, exc)))
+        if not plans:
+            return done
+        rows = [([req.output[-1], *props], req.position, req.cache) for req, props in plans]
+        want = any(props for _, props in plans)
+        try:
+            outs: list[Any] = self.target.forward_batch(rows, features=want)
+        except Exception:  # find out which request it was: run them one by one
+            outs = []
+            for row in rows:
+                try:
+                    outs.append(self.target.forward(*row, features=want))
+                except Exception as exc:
+                    outs.append(exc)
+        elapsed = time.perf_counter() - t0
+        for (req, props), out in zip(plans, outs):
+            if isinstance(out, BaseException):
+                done.append((req, self._error(req, out)))
+                continue
+            done.append((req, self._guarded(req, self._accept, props, out)))
+            req.stats.decode_time += elapsed
+        return done
+
+    def _accept(self, req: _Request, proposals: list[int], out: TargetOutput) -> StepOutput:
+        """Keep the longest prefix of the draft that the target agrees with, plus the target's own next token."""
+        p = req.position
         chosen = choose_tokens(out.logits, req.params, req.seed, p + 1)
         accepted = 0
         while accepted < len(proposals) and proposals[accepted] == chosen[accepted]:
             accepted += 1
         self.target.crop(req.cache, p + accepted + 1)
-        if out.features is not None:
+        if proposals and out.features is not None:
             self.drafter.extend_context(req.draft_state, out.features[: accepted + 1])
         req.position = p + accepted + 1
 
@@ -275,9 +330,7 @@ class Engine:
             num_draft_tokens=len(proposals),
             num_accepted_tokens=accepted,
         )
-        step = self._commit(req, chosen[: accepted + 1], out.logits, step)
-        st.decode_time += time.perf_counter() - t0
-        return step
+        return self._commit(req, chosen[: accepted + 1], out.logits, step)
 
     def _commit(self, req: _Request, tokens: list[int], logits: torch.Tensor, step: StepOutput) -> StepOutput:
         """Append tokens, cutting at the first stop token or at max_tokens; fill in logprobs."""

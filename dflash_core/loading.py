@@ -12,6 +12,7 @@ import torch
 from dflash_core.config import DraftConfig
 from dflash_core.draft import DFlashDraft
 from dflash_core.engine import DFlashDrafter, Engine
+from dflash_core.native import NativeTarget, supports
 from dflash_core.target import HFTarget
 
 log = logging.getLogger("dflash.loading")
@@ -124,8 +125,14 @@ def load_models(
     block_size: int | None = None,
     max_model_len: int | None = None,
     speculative: bool = True,
+    backend: str = "auto",
+    max_running_requests: int = 8,
 ) -> LoadedModels:
-    """Load target + draft + tokenizer into an Engine. No target means the bundled demo pair."""
+    """Load target + draft + tokenizer into an Engine. No target means the bundled demo pair.
+
+    backend "hf" runs the transformers model one request per forward; "native" runs our batched forward over a
+    slot KV cache sized `max_running_requests` x (max_model_len + block); "auto" picks native where supported.
+    """
     from transformers import AutoTokenizer
 
     if target is None:
@@ -137,20 +144,18 @@ def load_models(
     tok = AutoTokenizer.from_pretrained(str(local_folder(tokenizer or target)))
     model = load_target(target, dev, dt)
     use_draft = speculative and draft is not None and (block_size is None or block_size > 1)
+    draft_path = local_folder(draft) if use_draft else None
+    cfg = DraftConfig.from_file(draft_path) if draft_path is not None else None
+    layer_ids = cfg.target_layer_ids if cfg is not None else None
+    block = (block_size or cfg.block_size) if cfg is not None else 1
+    target_model = make_target(model, layer_ids, backend, max_running_requests, max_model_len, block)
     drafter = None
-    if use_draft:
-        draft_path = local_folder(draft)
-        cfg = DraftConfig.from_file(draft_path)
-        hf_target = HFTarget(model, cfg.target_layer_ids)
-        check_pair(cfg, hf_target)
+    if cfg is not None:
+        check_pair(cfg, target_model)
         draft_model = DFlashDraft.from_folder(draft_path, device=dev, dtype=dt)
-        if block_size is not None and block_size < 2:
-            raise ValueError(f"block_size must be at least 2 with a draft, got {block_size}")
-        drafter = DFlashDrafter(draft_model, hf_target, block_size or cfg.block_size)
-    else:
-        hf_target = HFTarget(model)
-    max_len = max_model_len or hf_target.max_position_embeddings
-    engine = Engine(hf_target, drafter, eos_token_ids=eos_ids(model, tok), max_model_len=max_len)
+        drafter = DFlashDrafter(draft_model, target_model, block)
+    max_len = max_model_len or target_model.max_position_embeddings
+    engine = Engine(target_model, drafter, eos_token_ids=eos_ids(model, tok), max_model_len=max_len)
     return LoadedModels(
         engine=engine,
         tokenizer=tok,
@@ -159,4 +164,20 @@ def load_models(
         device=str(dev),
         dtype=str(dt).removeprefix("torch."),
         block_size=engine.block_size,
+        backend=target_model.backend,
     )
+
+
+def make_target(
+    model: Any, layer_ids: list[int] | None, backend: str, max_slots: int, max_model_len: int | None, block: int
+) -> HFTarget | NativeTarget:
+    """The target adapter for `backend` (hf, native or auto)."""
+    if backend not in ("hf", "native", "auto"):
+        raise ValueError(f"unknown backend {backend!r}; choose hf, native or auto")
+    reason = supports(model)
+    if backend == "hf" or (backend == "auto" and reason is not None):
+        return HFTarget(model, layer_ids)
+    if reason is not None:
+        raise ValueError(f"the native backend does not support {reason}; use backend hf")
+    max_len = (max_model_len or int(getattr(model.config, "max_position_embeddings", 4096))) + block + 1
+    return NativeTarget(model, layer_ids, max_slots=max_slots, max_len=max_len)

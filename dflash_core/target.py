@@ -50,6 +50,12 @@ class HFTarget:
     def new_cache(self) -> DynamicCache:
         return DynamicCache()
 
+    def has_free_cache(self) -> bool:
+        return True
+
+    def release(self, cache: DynamicCache | None) -> None:
+        """Nothing to do: a DynamicCache is freed with its request."""
+
     @staticmethod
     def cache_length(cache: DynamicCache) -> int:
         return int(cache.get_seq_length())
@@ -81,3 +87,9 @@ class HFTarget:
         if want_hidden:
             feats = torch.cat([out.hidden_states[i + 1][0] for i in self.layer_ids], dim=-1)
         return TargetOutput(logits=out.logits[0].float(), features=feats)
+
+    def forward_batch(
+        self, rows: list[tuple[list[int], int, DynamicCache]], features: bool, last_only: bool = False
+    ) -> list[TargetOutput]:
+        """One forward per row (transformers caches are per request)."""
+        return [self.forward(tokens, start, cache, features, last_only) for tokens, start, cache in rows]

@@ -136,6 +136,8 @@ class ServerState:
                 block_size=s.block_size,
                 max_model_len=s.max_model_len,
                 speculative=s.speculative,
+                backend=s.backend,
+                max_running_requests=s.max_running_requests,
             )
             self.install(models)
         except Exception as e:

@@ -30,6 +30,9 @@ class Settings:
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer (default: the target's)"})
     device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:N"})
     dtype: str = field(default="auto", metadata={"help": "auto, float32, bfloat16, float16"})
+    backend: str = field(default="auto", metadata={
+        "help": "target forward: native (batched, slot KV cache; Qwen3/Llama/Qwen2), hf (transformers), "
+                "auto (native where supported)"})
     block_size: int | None = field(default=None, metadata={"help": "draft block size (default: the draft's)"})
     speculative: bool = field(
         default=True,
@@ -57,6 +60,8 @@ class Settings:
             raise ValueError("max_running_requests must be >= 1")
         if self.max_waiting_requests < 0:
             raise ValueError("max_waiting_requests must be >= 0")
+        if self.backend not in ("auto", "native", "hf"):
+            raise ValueError(f"backend must be auto, native or hf, got {self.backend!r}")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -88,10 +88,11 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture(scope="module", params=["qwen3", "llama"])
+@pytest.fixture(scope="module", params=[("qwen3", "hf"), ("llama", "native")], ids=["qwen3-hf", "llama-native"])
 def pair(request, tmp_path_factory) -> tuple[Path, Path, object]:
-    target_dir, draft_dir = make_tiny_pair(tmp_path_factory.mktemp(request.param), arch=request.param)
-    models = load_models(str(target_dir), str(draft_dir))
+    arch, backend = request.param
+    target_dir, draft_dir = make_tiny_pair(tmp_path_factory.mktemp(arch), arch=arch)
+    models = load_models(str(target_dir), str(draft_dir), backend=backend)
     return target_dir, draft_dir, models
 
 
@@ -127,7 +128,7 @@ def test_greedy_identical_with_scripted_draft(pair, references, block_size):
 @pytest.mark.parametrize("block_size", [2, 8, 16])
 def test_greedy_identical_with_real_draft(pair, references, block_size):
     _, draft_dir, _ = pair
-    models = load_models(str(pair[0]), str(draft_dir), block_size=block_size)
+    models = load_models(str(pair[0]), str(draft_dir), block_size=block_size, backend=pair[2].backend)
     engine = models.engine
     engine.eos_token_ids = []
     ids = {engine.add_request(list(p), SamplingParams(max_tokens=NEW_TOKENS)): ref for p, ref in references.items()}
@@ -189,7 +190,7 @@ def test_seeded_sampling_reproducible_and_equal_to_plain_sampling(pair):
     prompt = [5, 6, 7, 8, 9]
     outs = []
     for block_size in (16, 16, 1):
-        engine = load_models(str(target_dir), str(draft_dir), block_size=block_size).engine
+        engine = load_models(str(target_dir), str(draft_dir), block_size=block_size, backend=models.backend).engine
         rid = engine.add_request(prompt, SamplingParams(**{**SAMPLED.__dict__, "stop_token_ids": []}))
         outs.append(tokens(run_all(engine)[rid]))
     assert outs[0] == outs[1]
@@ -209,7 +210,7 @@ def test_sampling_distribution_matches_target(qwen3_target):
 
     target = qwen3_target
     prompt = [11, 12, 13]
-    n = 250
+    n = 200
     counts = []
     for spec, seeds in ((True, range(n)), (False, range(n, 2 * n))):
         drafter = OracleDrafter(target.model, 3) if spec else None
@@ -233,7 +234,7 @@ def test_sampling_distribution_matches_target(qwen3_target):
 
 def test_isolation_interleaved_and_abort(pair):
     target_dir, draft_dir, _ = pair
-    engine = load_models(str(target_dir), str(draft_dir)).engine
+    engine = load_models(str(target_dir), str(draft_dir), backend=pair[2].backend).engine
     engine.eos_token_ids = []
     main_params = SamplingParams(max_tokens=30, temperature=0.8, top_k=50, seed=7)
     solo_id = engine.add_request([20, 21, 22], main_params)
