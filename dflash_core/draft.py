@@ -134,33 +134,87 @@ class DraftLayer(nn.Module):
 
 
 class DraftKVCache:
-    """Per-request context keys/values of the draft, one growing buffer per layer (only committed rows)."""
+    """One request's context keys/values, one growing buffer per layer; row j holds position j."""
 
     def __init__(self, num_layers: int) -> None:
         self.k: list[torch.Tensor | None] = [None] * num_layers
         self.v: list[torch.Tensor | None] = [None] * num_layers
         self.length = 0
 
-    def get(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        k, v = self.k[layer], self.v[layer]
-        if k is None:
+    def update(
+        self, layer: int, k: torch.Tensor | None, v: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Write new rows at [length, length + n) (when given); return all rows so far."""
+        n = 0 if k is None else k.shape[2]
+        if n:
+            buf_k = self.k[layer]
+            if buf_k is None or buf_k.shape[2] < self.length + n:
+                cap = max(64, 2 * (self.length + n))
+                new_k = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
+                new_v = v.new_empty(v.shape[0], v.shape[1], cap, v.shape[3])
+                if buf_k is not None:
+                    new_k[:, :, : self.length] = buf_k[:, :, : self.length]
+                    new_v[:, :, : self.length] = self.v[layer][:, :, : self.length]
+                self.k[layer], self.v[layer] = new_k, new_v
+            self.k[layer][:, :, self.length : self.length + n] = k
+            self.v[layer][:, :, self.length : self.length + n] = v
+        if self.k[layer] is None:
             return None, None
-        return k[:, :, : self.length], v[:, :, : self.length]
+        end = self.length + n
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write rows at [length, length + n); the caller advances `length` once all layers are written."""
-        n = k.shape[2]
-        buf_k = self.k[layer]
-        if buf_k is None or buf_k.shape[2] < self.length + n:
-            cap = max(64, 2 * (self.length + n))
-            new_k = k.new_empty(k.shape[0], k.shape[1], cap, k.shape[3])
-            new_v = v.new_empty(v.shape[0], v.shape[1], cap, v.shape[3])
-            if buf_k is not None:
-                new_k[:, :, : self.length] = buf_k[:, :, : self.length]
-                new_v[:, :, : self.length] = self.v[layer][:, :, : self.length]
-            self.k[layer], self.v[layer] = new_k, new_v
-        self.k[layer][:, :, self.length : self.length + n] = k
-        self.v[layer][:, :, self.length : self.length + n] = v
+    def commit(self, n: int) -> None:
+        """Called once every layer has written its `n` new rows."""
+        self.length += n
+
+
+class SlotDraftCache:
+    """Context keys/values of many requests: `[layers, slots, kv_heads, max_len + 1, head_dim]`, written by position.
+
+    The last column is scratch: padding rows of a batch write there and no query ever sees it.
+    """
+
+    def __init__(self, cfg: DraftConfig, max_slots: int, max_len: int, device: torch.device, dtype: torch.dtype):
+        shape = (cfg.num_hidden_layers, max_slots, cfg.num_key_value_heads, max_len + 1, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.scratch = max_len
+        self._free = list(range(max_slots - 1, -1, -1))
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError("no free draft KV-cache slot")
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        if slot not in self._free:
+            self._free.append(slot)
+
+    def batch(self, slots: list[int], ctx_pos: torch.Tensor | None, kv_len: int) -> SlotBatch:
+        return SlotBatch(self, slots, ctx_pos, kv_len)
+
+
+class SlotBatch:
+    """One batched draft call's view of a SlotDraftCache: rows at `ctx_pos` [b, c], keys 0..kv_len-1 returned."""
+
+    def __init__(self, cache: SlotDraftCache, slots: list[int], ctx_pos: torch.Tensor | None, kv_len: int) -> None:
+        self.cache, self.kv_len, self.ctx_pos = cache, kv_len, ctx_pos
+        self.slots = torch.tensor(slots, device=cache.k.device)
+        self.single = slots[0] if len(slots) == 1 else None
+
+    def update(
+        self, layer: int, k: torch.Tensor | None, v: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        if k is not None and k.shape[2]:
+            kc[self.slots[:, None], :, self.ctx_pos] = k.transpose(1, 2)
+            vc[self.slots[:, None], :, self.ctx_pos] = v.transpose(1, 2)
+        if self.single is not None:
+            return kc[self.single, :, : self.kv_len][None], vc[self.single, :, : self.kv_len][None]
+        return kc[self.slots, :, : self.kv_len], vc[self.slots, :, : self.kv_len]
+
+    def commit(self, n: int) -> None:
+        pass
 
 
 class DFlashDraft(nn.Module):
@@ -207,9 +261,7 @@ class DFlashDraft(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def _mask(
-        self, layer: DraftLayer, q_pos: torch.Tensor, k_pos: torch.Tensor, base: torch.Tensor | None
-    ) -> torch.Tensor | None:
+    def _mask(self, layer: DraftLayer, q_pos: torch.Tensor, k_pos: torch.Tensor, base: torch.Tensor | None):
         attn = layer.self_attn
         if not attn.is_causal and attn.sliding_window is None:
             return base
@@ -229,49 +281,55 @@ class DFlashDraft(nn.Module):
         block_pos: torch.Tensor,
         ctx_features: torch.Tensor | None,
         ctx_pos: torch.Tensor | None,
-        cache: DraftKVCache | None = None,
+        cache: DraftKVCache | SlotBatch | None = None,
         mask: torch.Tensor | None = None,
+        ctx_len: torch.Tensor | None = None,
+        block_len: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Run the block.
+        """Run the block; returns final-normed hidden states [b, q, H].
 
-        block_emb [b, q, H] at positions block_pos [b, q]; ctx_features [b, c, len(ids)*H] are new target context rows
-        at ctx_pos [b, c] (appended to `cache` when given; the cache's older rows sit at positions 0..len-1).
-        `mask` (bool [b, 1, q, keys]) overrides visibility over keys [cached ++ new ctx ++ block] (used in training).
+        block_emb [b, q, H] at positions block_pos [b, q]; ctx_features [b, c, len(ids)*H] are new target context
+        rows at ctx_pos [b, c]. With a cache they are written to it and the queries see every cached row (row j
+        holds position j); without one they see only these rows. `ctx_len` [b] hides cached rows at positions
+        >= it, `block_len` [b] hides padded block rows, and `mask` (bool [b, 1, q, keys]) is an explicit
+        visibility over keys [context ++ block] (training).
         """
         dtype = block_emb.dtype
+        b, q = block_pos.shape
         cos_q, sin_q = self.rope(block_pos, dtype)
         ctx = None
         if ctx_features is not None and ctx_features.shape[1] > 0:
             ctx = self.hidden_norm(self.fc(ctx_features))
             cos_c, sin_c = self.rope(ctx_pos, dtype)
-        past = cache.length if cache is not None else 0
-        parts = [torch.arange(past, device=block_pos.device).expand(block_pos.shape[0], past)]
-        if ctx is not None:
-            parts.append(ctx_pos)
-        k_pos = torch.cat(parts + [block_pos], dim=1)
         x = block_emb
+        base, k_pos = mask, None
         for i, layer in enumerate(self.layers):
-            ks, vs = [], []
-            if cache is not None:
-                old_k, old_v = cache.get(i)
-                if old_k is not None:
-                    ks.append(old_k)
-                    vs.append(old_v)
+            new_k = new_v = None
             if ctx is not None:
                 new_k, new_v = layer.self_attn.context_kv(ctx, cos_c, sin_c)
-                ks.append(new_k)
-                vs.append(new_v)
-                if cache is not None:
-                    cache.append(i, new_k, new_v)
-            if ks:
-                ctx_k = torch.cat(ks, dim=2) if len(ks) > 1 else ks[0]
-                ctx_v = torch.cat(vs, dim=2) if len(vs) > 1 else vs[0]
-            else:
-                shape = (x.shape[0], layer.self_attn.num_kv_heads, 0, layer.self_attn.head_dim)
+            ctx_k, ctx_v = cache.update(i, new_k, new_v) if cache is not None else (new_k, new_v)
+            if ctx_k is None:
+                shape = (b, layer.self_attn.num_kv_heads, 0, layer.self_attn.head_dim)
                 ctx_k = ctx_v = x.new_zeros(shape)
-            x = layer(x, cos_q, sin_q, ctx_k, ctx_v, self._mask(layer, block_pos, k_pos, mask))
+            if k_pos is None:  # same keys for every layer: build positions and validity once
+                n_ctx = ctx_k.shape[2]
+                ctx_k_pos = ctx_pos if cache is None and ctx is not None else (
+                    torch.arange(n_ctx, device=block_pos.device).expand(b, n_ctx))
+                k_pos = torch.cat([ctx_k_pos, block_pos], dim=1)
+                valid = []
+                all_ctx = torch.ones_like(ctx_k_pos, dtype=torch.bool)
+                all_block = torch.ones_like(block_pos, dtype=torch.bool)
+                if ctx_len is not None:
+                    valid.append(torch.cat([ctx_k_pos < ctx_len[:, None], all_block], 1))
+                if block_len is not None:
+                    in_block = torch.arange(q, device=block_pos.device)[None] < block_len[:, None]
+                    valid.append(torch.cat([all_ctx, in_block], 1))
+                for v in valid:
+                    v = v[:, None, None, :].expand(b, 1, q, k_pos.shape[1])
+                    base = v if base is None else base & v
+            x = layer(x, cos_q, sin_q, ctx_k, ctx_v, self._mask(layer, block_pos, k_pos, base))
         if cache is not None and ctx is not None:
-            cache.length += ctx.shape[1]
+            cache.commit(ctx.shape[1])
         return self.norm(x)
 
     # ---- checkpoint I/O (z-lab layout) ----

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-from dflash_core.draft import DFlashDraft, DraftKVCache
+from dflash_core.draft import DFlashDraft, DraftKVCache, SlotDraftCache
 from dflash_core.sampling import SamplingParams, choose_tokens, resolve_seed, token_logprobs
 from dflash_core.target import HFTarget, TargetOutput
 
@@ -87,40 +87,86 @@ class Drafter(Protocol):
 
 @dataclass
 class _DFlashState:
-    cache: DraftKVCache
-    pending: list[torch.Tensor] = field(default_factory=list)
+    cache: DraftKVCache | None = None  # per-request cache (unbatched drafter)
+    slot: int | None = None  # row of the shared slot cache (batched drafter)
+    pending: list[torch.Tensor] = field(default_factory=list)  # target features not yet in the draft cache
 
 
 class DFlashDrafter:
-    """Drafter backed by a DFlash draft model sharing the target's embeddings and output head."""
+    """Drafter backed by a DFlash draft model sharing the target's embeddings and output head.
 
-    def __init__(self, draft: DFlashDraft, target: HFTarget, block_size: int | None = None) -> None:
+    With `max_slots` the drafts of all requests run as ONE batched forward over a slot KV cache; without it,
+    one forward per request over a growing per-request cache.
+    """
+
+    def __init__(
+        self,
+        draft: DFlashDraft,
+        target: Any,
+        block_size: int | None = None,
+        max_slots: int | None = None,
+        max_len: int | None = None,
+    ) -> None:
         self.draft = draft
         self.target = target
         self.block_size = int(block_size or draft.block_size)
         self.mask_token_id = draft.mask_token_id
+        self.slots = None
+        if max_slots:
+            self.slots = SlotDraftCache(draft.cfg, max_slots, int(max_len), target.device, target.dtype)
 
     def new_state(self, prompt_token_ids: list[int]) -> _DFlashState:
+        if self.slots is not None:
+            return _DFlashState(slot=self.slots.allocate())
         return _DFlashState(cache=DraftKVCache(len(self.draft.layers)))
+
+    def release(self, state: _DFlashState | None) -> None:
+        if state is not None and state.slot is not None and self.slots is not None:
+            self.slots.release(state.slot)
+            state.slot = None
 
     def extend_context(self, state: _DFlashState, features: torch.Tensor) -> None:
         state.pending.append(features)
 
-    @torch.inference_mode()
     def propose(self, state: _DFlashState, last_token: int, position: int, n: int) -> list[int]:
-        device = self.target.device
-        ctx = None
-        ctx_pos = None
-        if state.pending:
-            ctx = torch.cat(state.pending, dim=0)[None].to(self.target.dtype)
-            start = state.cache.length
-            ctx_pos = torch.arange(start, start + ctx.shape[1], device=device)[None]
-            state.pending.clear()
-        block = torch.tensor([[last_token] + [self.mask_token_id] * n], device=device)
-        block_pos = torch.arange(position, position + n + 1, device=device)[None]
-        hidden = self.draft(self.draft.embed(block, self.target.embed_weight), block_pos, ctx, ctx_pos, state.cache)
-        logits = self.draft.logits(hidden[0, 1:], self.target.lm_head_weight)
-        return logits.argmax(dim=-1).tolist()
+        return self.propose_batch([(state, last_token, position, n)])[0]
+
+    @torch.inference_mode()
+    def propose_batch(self, items: list[tuple[_DFlashState, int, int, int]]) -> list[list[int]]:
+        """Argmax proposals for each (state, last token, its position, how many)."""
+        device, dtype = self.target.device, self.target.dtype
+        if self.slots is None and len(items) > 1:
+            return [self.propose(*item) for item in items]
+        b = len(items)
+        width = max(n for *_, n in items) + 1
+        pending = [torch.cat(st.pending, dim=0) if st.pending else None for st, *_ in items]
+        n_ctx = max((0 if f is None else f.shape[0]) for f in pending)
+        ctx = ctx_pos = None
+        positions = torch.tensor([p for _, _, p, _ in items], device=device)
+        if n_ctx:
+            feat_dim = next(f for f in pending if f is not None).shape[1]
+            ctx = torch.zeros(b, n_ctx, feat_dim, device=device, dtype=dtype)
+            # padding rows go to the slot cache's scratch column, which no query sees
+            scratch = self.slots.scratch if self.slots is not None else 0
+            ctx_pos = torch.full((b, n_ctx), scratch, device=device, dtype=torch.long)
+            for r, f in enumerate(pending):
+                if f is not None:
+                    c = f.shape[0]
+                    ctx[r, :c] = f.to(dtype)
+                    ctx_pos[r, :c] = torch.arange(items[r][2] - c, items[r][2], device=device)
+        for st, *_ in items:
+            st.pending.clear()
+        block = torch.full((b, width), self.mask_token_id, device=device, dtype=torch.long)
+        block[:, 0] = torch.tensor([last for _, last, _, _ in items], device=device)
+        block_pos = positions[:, None] + torch.arange(width, device=device)[None]
+        if self.slots is not None:
+            cache = self.slots.batch([st.slot for st, *_ in items], ctx_pos, int(positions.max()))
+            lens = dict(ctx_len=positions, block_len=torch.tensor([n + 1 for *_, n in items], device=device))
+        else:
+            cache, lens = items[0][0].cache, {}
+        hidden = self.draft(self.draft.embed(block, self.target.embed_weight), block_pos, ctx, ctx_pos, cache, **lens)
+        best = self.draft.logits(hidden[:, 1:], self.target.lm_head_weight).argmax(dim=-1).tolist()
+        return [row[:n] for row, (*_, n) in zip(best, items)]
 
 
 @dataclass
@@ -246,6 +292,8 @@ class Engine:
     def _retire(self, req: _Request) -> None:
         del self._active[req.id]
         self.target.release(req.cache)
+        if req.draft_state is not None and hasattr(self.drafter, "release"):
+            self.drafter.release(req.draft_state)
         req.cache = req.draft_state = None
         self._finished[req.id] = req.stats
         while len(self._finished) > _KEEP_FINISHED_STATS:
@@ -266,21 +314,37 @@ class Engine:
         req.stats.prefill_time += time.perf_counter() - t0
         return step
 
-    def _propose(self, req: _Request) -> list[int]:
-        verify_size = min(self.block_size, req.params.max_tokens - len(req.output))
-        if verify_size < 2:
-            return []
-        return self.drafter.propose(req.draft_state, req.output[-1], req.position, verify_size - 1)
+    def _draft_width(self, req: _Request) -> int:
+        """Draft tokens to propose: B-1, fewer when max_tokens is closer."""
+        return min(self.block_size, req.params.max_tokens - len(req.output)) - 1
+
+    def _propose_all(self, reqs: list[_Request]) -> tuple[list[tuple[_Request, list[int]]], list[tuple[_Request, Any]]]:
+        """Proposals for every request (one batched draft call when the drafter has one); failures apart."""
+        plans = {req.id: (req, []) for req in reqs}
+        drafting = [req for req in reqs if self.drafter is not None and self._draft_width(req) > 0]
+        failed: list[tuple[_Request, Any]] = []
+        batch = getattr(self.drafter, "propose_batch", None)
+        if drafting and batch is not None:
+            try:
+                items = [(r.draft_state, r.output[-1], r.position, self._draft_width(r)) for r in drafting]
+                for req, props in zip(drafting, batch(items)):
+                    plans[req.id] = (req, props)
+                drafting = []
+            except Exception:  # find out which request it was: one by one
+                log.warning("batched draft failed; retrying request by request", exc_info=True)
+        for req in drafting:
+            try:
+                props = self.drafter.propose(req.draft_state, req.output[-1], req.position, self._draft_width(req))
+                plans[req.id] = (req, props)
+            except Exception as exc:
+                del plans[req.id]
+                failed.append((req, exc))
+        return list(plans.values()), failed
 
     def _decode_batch(self, reqs: list[_Request]) -> list[tuple[_Request, StepOutput]]:
         t0 = time.perf_counter()
-        done: list[tuple[_Request, StepOutput]] = []
-        plans: list[tuple[_Request, list[int]]] = []
-        for req in reqs:
-            try:
-                plans.append((req, self._propose(req)))
-            except Exception as exc:
-                done.append((req, self._error(req, exc)))
+        plans, failed = self._propose_all(reqs)
+        done = [(req, self._error(req, exc)) for req, exc in failed]
         if not plans:
             return done
         rows = [([req.output[-1], *props], req.position, req.cache) for req, props in plans]

@@ -153,7 +153,9 @@ def load_models(
     if cfg is not None:
         check_pair(cfg, target_model)
         draft_model = DFlashDraft.from_folder(draft_path, device=dev, dtype=dt)
-        drafter = DFlashDrafter(draft_model, target_model, block)
+        native = target_model.backend == "native"
+        slots = dict(max_slots=max_running_requests, max_len=target_model.max_len) if native else {}
+        drafter = DFlashDrafter(draft_model, target_model, block, **slots)
     max_len = max_model_len or target_model.max_position_embeddings
     engine = Engine(target_model, drafter, eos_token_ids=eos_ids(model, tok), max_model_len=max_len)
     return LoadedModels(

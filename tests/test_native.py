@@ -91,3 +91,32 @@ def test_load_models_native_backend(tmp_path):
         res = run_all(models.engine)
         outs.append([tokens(res[i]) for i in ids])
     assert outs[0] == outs[1]
+
+
+def test_batched_slot_drafts_equal_per_request_drafts(tmp_path):
+    from dflash_core.draft import DFlashDraft
+    from dflash_core.engine import DFlashDrafter
+
+    target_dir, draft_dir = make_tiny_pair(tmp_path)
+    models = load_models(str(target_dir), str(draft_dir), backend="native")
+    target = models.engine.target
+    draft = DFlashDraft.from_folder(draft_dir)
+    batched = DFlashDrafter(draft, target, 16, max_slots=3, max_len=256)
+    single = DFlashDrafter(draft, target, 16)
+    g = torch.Generator().manual_seed(0)
+    feat_dim = len(draft.cfg.target_layer_ids) * 64
+    lengths, widths = (5, 40, 17), (15, 3, 9)
+    states = [(batched.new_state([]), single.new_state([])) for _ in lengths]
+    for round_ in range(3):  # context arrives in pieces of different sizes
+        items_b, expected = [], []
+        for i, ((sb, ss), n, w) in enumerate(zip(states, lengths, widths)):
+            pos = n + 4 * round_
+            feats = torch.randn(n if round_ == 0 else 4, feat_dim, generator=g)
+            batched.extend_context(sb, feats)
+            single.extend_context(ss, feats)
+            items_b.append((sb, 7 + i, pos, w))
+            expected.append(single.propose(ss, 7 + i, pos, w))
+        assert batched.propose_batch(items_b) == expected
+    for sb, _ in states:
+        batched.release(sb)
+    assert len(batched.slots._free) == 3
