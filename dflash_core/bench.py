@@ -188,6 +188,7 @@ OFFLINE_SCHEMA: dict[str, Any] = {
                 "block_size": {"type": "integer", "minimum": 2},
                 "device": {"type": "string"},
                 "dtype": {"type": "string"},
+                "backend": {"type": "string"},
                 "temperature": _NUM,
                 "top_p": _NUM,
                 "top_k": {"type": "integer"},
@@ -656,6 +657,7 @@ def run_offline(
     device: str = "auto",
     dtype: str = "auto",
     block_size: int | None = None,
+    backend: str = "auto",
     max_tokens: int = 128,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -675,7 +677,9 @@ def run_offline(
         raise BenchError("offline needs a draft (--draft) to compare with plain decoding")
     t0 = time.perf_counter()
     try:
-        models = load_models(target, draft, tokenizer, device=device, dtype=dtype, block_size=block_size)
+        models = load_models(
+            target, draft, tokenizer, device=device, dtype=dtype, block_size=block_size, backend=backend
+        )
     except (FileNotFoundError, ValueError) as exc:
         raise BenchError(f"cannot load the models: {exc}") from None
     load_time = time.perf_counter() - t0
@@ -759,6 +763,7 @@ def run_offline(
         "block_size": bsz,
         "device": models.device,
         "dtype": models.dtype,
+        "backend": models.backend,
         "temperature": temperature,
         "top_p": top_p,
         "top_k": top_k,
@@ -1185,6 +1190,12 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def plot_offline(result: dict[str, Any], out_dir: Path) -> list[Path]:
     """offline_speedup.png (per prompt) and offline_acceptance.png (histogram over 1..B)."""
     plt = _pyplot()
@@ -1211,9 +1222,7 @@ def plot_offline(result: dict[str, Any], out_dir: Path) -> list[Path]:
         f"(mean acceptance length {s['mean_acceptance_length']:.2f})"
     )
     ax.legend(handles=handles, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(paths[0], dpi=100)
-    plt.close(fig)
+    _save(plt, fig, paths[0])
 
     fig, ax = plt.subplots(figsize=(8, 4))
     fr = s["acceptance_histogram"]["fractions"]
@@ -1229,17 +1238,24 @@ def plot_offline(result: dict[str, Any], out_dir: Path) -> list[Path]:
     ax.set_ylabel("% of draft/verify steps")
     ax.set_title("DFlash acceptance length")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(paths[1], dpi=100)
-    plt.close(fig)
+    _save(plt, fig, paths[1])
     return paths
 
 
-def _concurrency_axis(ax: Any, result: dict[str, Any]) -> None:
+def _save_serve_figure(
+    plt: Any, fig: Any, axes: Any, result: dict[str, Any], ylabels: list[str], title: str, path: Path, legend: int
+) -> None:
+    """Both panels against concurrency (log2 axis, ticks at `result`'s levels), then title and save."""
     conc = [lv["concurrency"] for lv in result["levels"]]
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(conc, [str(c) for c in conc])
-    ax.minorticks_off()
+    for ax, ylabel in zip(axes, ylabels):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(conc, [str(c) for c in conc])
+        ax.minorticks_off()
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=legend)
+    fig.suptitle(title)
+    _save(plt, fig, path)
 
 
 def plot_serve(result: dict[str, Any], out_dir: Path, baseline: dict[str, Any] | None = None) -> list[Path]:
@@ -1258,15 +1274,8 @@ def plot_serve(result: dict[str, Any], out_dir: Path, baseline: dict[str, Any] |
         axes[1].plot(
             conc, [lv["request_throughput"] for lv in res["levels"]], style, marker="o", label=res["label"]
         )
-    for ax, ylabel in zip(axes, ["output tokens/s", "requests/s"]):
-        _concurrency_axis(ax, result)
-        ax.set_xlabel("concurrency")
-        ax.set_ylabel(ylabel)
-        ax.legend(fontsize=8)
-    fig.suptitle("throughput against concurrency")
-    fig.tight_layout()
-    fig.savefig(paths[0], dpi=100)
-    plt.close(fig)
+    ylabels = ["output tokens/s", "requests/s"]
+    _save_serve_figure(plt, fig, axes, result, ylabels, "throughput against concurrency", paths[0], legend=8)
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for res, style in runs:
@@ -1275,15 +1284,8 @@ def plot_serve(result: dict[str, Any], out_dir: Path, baseline: dict[str, Any] |
             for ax, key in zip(axes, ("ttft_s", "itl_s")):
                 ys = [lv[key][q] * 1000 if lv[key][q] is not None else math.nan for lv in res["levels"]]
                 ax.plot(conc, ys, style, color=color, marker="o", label=f"{res['label']} {q}")
-    for ax, ylabel in zip(axes, ["time to first token (ms)", "inter-token latency (ms)"]):
-        _concurrency_axis(ax, result)
-        ax.set_xlabel("concurrency")
-        ax.set_ylabel(ylabel)
-        ax.legend(fontsize=7)
-    fig.suptitle("latency against concurrency")
-    fig.tight_layout()
-    fig.savefig(paths[1], dpi=100)
-    plt.close(fig)
+    ylabels = ["time to first token (ms)", "inter-token latency (ms)"]
+    _save_serve_figure(plt, fig, axes, result, ylabels, "latency against concurrency", paths[1], legend=7)
     return paths
 
 
@@ -1352,6 +1354,8 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--draft", help="DFlash draft folder or hub id (default: the demo draft)")
     off.add_argument("--tokenizer", help="default: the target's")
     off.add_argument("--block-size", type=int, help="default: the draft's")
+    off.add_argument("--backend", default="auto", choices=["auto", "native", "hf"],
+                     help="target forward, as dflash-serve --backend (default: auto)")
     off.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     off.add_argument(
         "--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16"
@@ -1431,6 +1435,7 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             device=args.device,
             dtype=args.dtype,
             block_size=args.block_size,
+            backend=args.backend,
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             top_p=args.top_p,

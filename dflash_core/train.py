@@ -393,29 +393,20 @@ def evaluate(
     target: str | Path, draft: str | Path, prompts_path: Path, *, n: int = 32, max_new_tokens: int = 256,
     speedup: bool = False, device: str = "cpu",
 ) -> dict[str, Any]:
-    """Greedy, batch 1, with the engine: acceptance length on held-out prompts; optionally plain AR vs DFlash,
-    interleaved per prompt in this process (wall-clock over the whole generation, prefill included)."""
+    """Greedy, batch 1, with the engine: acceptance length and answer diversity on held-out prompts; with
+    `speedup`, also `dflash-bench offline` on the same prompts (plain vs DFlash interleaved per prompt)."""
     from dflash_core.loading import load_models
 
     spec = load_models(str(target), str(draft), device=device, dtype="float32")
     prompts = load_eval_prompts(prompts_path, spec.tokenizer, n)
-    ar = load_models(str(target), None, device=device, dtype="float32", speculative=False) if speedup else None
     drafts = accepted = tokens = 0
-    t_spec = t_ar = 0.0
-    identical = True
+    t_spec = 0.0
     ratios: list[float] = []
     per_prompt: list[float] = []
     _run_one(spec.engine, prompts[0], 8)  # warm-up
-    if ar is not None:
-        _run_one(ar.engine, prompts[0], 8)
     for prompt in tqdm(prompts, desc="eval", dynamic_ncols=True, mininterval=2):
-        if ar is not None:
-            ar_toks, dt, _ = _run_one(ar.engine, prompt, max_new_tokens)
-            t_ar += dt
         toks, dt, st = _run_one(spec.engine, prompt, max_new_tokens)
         t_spec += dt
-        if ar is not None and ar_toks != toks:
-            identical = False
         drafts += st.num_drafts
         accepted += st.num_accepted_tokens
         tokens += len(toks)
@@ -429,9 +420,21 @@ def evaluate(
         "dflash_seconds": t_spec, "dflash_tokens_per_s": tokens / t_spec,
         "max_new_tokens": max_new_tokens, "device": spec.device, "threads": torch.get_num_threads(),
     }
-    if ar is not None:
-        result.update(ar_seconds=t_ar, ar_tokens_per_s=tokens / t_ar, speedup=t_ar / t_spec,
-                      outputs_identical=identical)
+    if speedup:
+        from dflash_core.bench import load_prompts, run_offline
+
+        del spec  # the benchmark loads its own copy
+        bench = run_offline(load_prompts(str(prompts_path), n), target=str(target), draft=str(draft),
+                            device=device, dtype="float32", max_tokens=max_new_tokens, progress=False,
+                            dataset=str(prompts_path))
+        summary = bench["summary"]
+        result.update(
+            ar_seconds=summary["plain"]["total_time_s"], ar_tokens_per_s=summary["plain"]["output_tokens_per_s"],
+            dflash_seconds=summary["dflash"]["total_time_s"],
+            dflash_tokens_per_s=summary["dflash"]["output_tokens_per_s"],
+            speedup=summary["speedup"], bench_acceptance_length=summary["mean_acceptance_length"],
+            outputs_identical=summary["identical_outputs"] == summary["num_prompts"],
+        )
     return result
 
 

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
-import logging
-import signal
-import sys
-from collections.abc import Sequence
-from typing import Any
+import os
 
-import uvicorn
+# Before torch (and its OpenMP runtime) loads: on a CPU shared with other processes, spinning OpenMP workers make
+# every small forward many times slower; PASSIVE lets idle workers sleep. An explicit setting is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from server.app import create_app
-from server.logs import setup_logging
-from server.settings import Settings, build_parser, resolve_settings
+import logging  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from typing import Any  # noqa: E402
+
+import uvicorn  # noqa: E402
+
+from server.app import create_app  # noqa: E402
+from server.logs import setup_logging  # noqa: E402
+from server.settings import Settings, build_parser, resolve_settings  # noqa: E402
 
 log = logging.getLogger("dflash.server")
 GRACEFUL_SHUTDOWN_S = 30

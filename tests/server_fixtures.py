@@ -96,6 +96,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def log_tail(path: Path, n: int = 4000) -> str:
+    """The end of a subprocess log, for failure messages ("" when it cannot be read)."""
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return ""
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> int:
+    """SIGTERM a subprocess we started, wait, return its exit code (kill after ``timeout_s``)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+    return int(proc.returncode)
+
+
 @dataclass
 class ServerProcess:
     """A ``python -m server`` subprocess on 127.0.0.1."""
@@ -110,10 +130,7 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def log_tail(self, n: int = 4000) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
+        return log_tail(self.log, n)
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Poll /health until 200 (503 while loading is expected); fail if the process dies."""
@@ -133,14 +150,7 @@ class ServerProcess:
 
     def terminate(self, timeout_s: float = 30.0) -> int:
         """SIGTERM, wait, return the exit code (kill after the timeout)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        return int(self.proc.returncode)
+        return stop_process(self.proc, timeout_s)
 
 
 def start_server(args: list[str], log: Path, env: dict[str, str] | None = None) -> ServerProcess:

@@ -8,22 +8,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import jsonschema
 import pytest
 
 from dflash_core import bench
 from tests.helpers import make_tiny_pair
+from tests.server_fixtures import ServerProcess, free_port, start_server
 
-REPO = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SERVER_START_TIMEOUT_S = 90.0
 
@@ -49,86 +44,22 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return make_tiny_pair(tmp_path_factory.mktemp("bench_models"))
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen[bytes]
-    url: str
-    log: Path
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:]
-
-
-def start_server(target: Path, draft: Path, log: Path, *extra: str) -> Server:
-    """`python -m server` on a free loopback port (returns at once)."""
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "server",
-        "--target",
-        str(target),
-        "--draft",
-        str(draft),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--device",
-        "cpu",
-        *extra,
-    ]
-    # OpenMP's busy-wait makes torch 10-20x slower on a CPU shared with other test processes
-    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, env=env)
-    return Server(proc, f"http://127.0.0.1:{port}", log)
-
-
-def wait_ready(server: Server) -> None:
-    """Poll /health until 200; fail with the server log when it exits or takes too long."""
-    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            pytest.fail(f"server exited with {server.proc.returncode}:\n{server.tail()}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    pytest.fail(f"server not ready after {SERVER_START_TIMEOUT_S} s:\n{server.tail()}")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-
-
 @pytest.fixture(scope="module")
-def server(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def server(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """A DFlash server on the tiny pair. Started, not awaited: its loading overlaps the offline test."""
+    target, draft = pair
     log = tmp_path_factory.mktemp("bench_logs") / "server.log"
-    srv = start_server(*pair, log)
+    # OpenMP's busy-wait makes torch 10-20x slower on a CPU shared with other test processes
+    env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    srv = start_server(["--target", str(target), "--draft", str(draft), "--device", "cpu"], log, env)
     try:
         yield srv
     finally:
-        stop(srv.proc)
+        srv.terminate(timeout_s=10)
 
 
 def test_offline_tiny_pair(
-    pair: tuple[Path, Path], server: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    pair: tuple[Path, Path], server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     target, draft = pair
     rc = bench.main(
@@ -171,8 +102,8 @@ def test_offline_tiny_pair(
         check_png(tmp_path / name)
 
 
-def test_serve_tiny_pair(server: Server, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    wait_ready(server)
+def test_serve_tiny_pair(server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    server.wait_ready(SERVER_START_TIMEOUT_S)
     args = [
         "serve",
         "--base-url",

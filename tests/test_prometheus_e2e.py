@@ -14,11 +14,8 @@ and sampled) through the real `openai` client; then, with the server idle again:
 
 from __future__ import annotations
 
-import os
 import shutil
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -31,8 +28,8 @@ import openai
 import pytest
 
 from tests.helpers import make_tiny_pair
+from tests.server_fixtures import ServerProcess, free_port, log_tail, start_server, stop_process
 
-REPO = Path(__file__).resolve().parent.parent
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
 N_REQUESTS = 8
@@ -41,32 +38,6 @@ SERVER_START_TIMEOUT_S = 90.0
 pytestmark = pytest.mark.skipif(
     PROMETHEUS is None, reason="prometheus absent (Debian package `prometheus`; .ci/run installs it)"
 )
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def log_tail(path: Path, n: int = 4000) -> str:
-    """The end of a subprocess log, for failure messages."""
-    try:
-        return path.read_text(errors="replace")[-n:]
-    except OSError:
-        return ""
-
-
-def stop_process(proc: subprocess.Popen[bytes]) -> None:
-    """Terminate a subprocess we started; kill it if it does not exit within 10 s."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 Procs = list[tuple[subprocess.Popen[bytes], Path]]
@@ -94,7 +65,7 @@ def wait_until(what: str, check: Any, timeout_s: float, procs: Procs) -> None:
 class Stack:
     """The running server and Prometheus."""
 
-    server_url: str
+    server: ServerProcess
     prom_url: str
     started_at: float  # time.time() before Prometheus started
     procs: Procs
@@ -106,29 +77,22 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("prom_e2e")
     (tmp / "models").mkdir()
     target_dir, draft_dir = make_tiny_pair(tmp / "models")
-    port, prom_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    server_log = tmp / "server.log"
+    prom_port = free_port()
     prom_log = tmp / "prometheus.log"
     config = tmp / "prometheus.yml"
-    config.write_text(
-        "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n"
-        "scrape_configs:\n  - job_name: dflash\n    metrics_path: /metrics\n"
-        f"    static_configs:\n      - targets: ['127.0.0.1:{port}']\n"
-    )
     started_at = time.time()
     procs: Procs = []
-    with server_log.open("wb") as slog, prom_log.open("wb") as plog:
-        try:
-            procs.append((
-                subprocess.Popen(
-                    [sys.executable, "-m", "server", "--target", str(target_dir), "--draft", str(draft_dir),
-                     "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"],
-                    cwd=REPO, env=env, stdout=slog, stderr=subprocess.STDOUT,
-                ),
-                server_log,
-            ))
+    try:
+        server = start_server(
+            ["--target", str(target_dir), "--draft", str(draft_dir), "--device", "cpu"], tmp / "server.log"
+        )
+        procs.append((server.proc, server.log))
+        config.write_text(
+            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n"
+            "scrape_configs:\n  - job_name: dflash\n    metrics_path: /metrics\n"
+            f"    static_configs:\n      - targets: ['127.0.0.1:{server.port}']\n"
+        )
+        with prom_log.open("wb") as plog:
             procs.append((
                 subprocess.Popen(
                     [str(PROMETHEUS), f"--config.file={config}", f"--storage.tsdb.path={tmp / 'tsdb'}",
@@ -137,10 +101,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 ),
                 prom_log,
             ))
-            yield Stack(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{prom_port}", started_at, procs)
-        finally:
-            for proc, _ in reversed(procs):
-                stop_process(proc)
+        yield Stack(server, f"http://127.0.0.1:{prom_port}", started_at, procs)
+    finally:
+        for proc, _ in reversed(procs):
+            stop_process(proc, timeout_s=10)
 
 
 def prom_query(stack: Stack, expr: str, at: float) -> list[dict[str, Any]]:
@@ -218,8 +182,7 @@ def one_request(client: openai.OpenAI, model: str, i: int) -> Served:
 
 def test_prometheus_scrapes_match_api(stack: Stack) -> None:
     """Mean acceptance length, token counters, histogram counts and gauges in Prometheus match the API."""
-    wait_until("the server's /health", lambda: httpx.get(f"{stack.server_url}/health", timeout=2).is_success,
-               SERVER_START_TIMEOUT_S, stack.procs)
+    stack.server.wait_ready(SERVER_START_TIMEOUT_S)
     wait_until("Prometheus ready", lambda: httpx.get(f"{stack.prom_url}/-/ready", timeout=2).is_success,
                20.0, stack.procs)
     # Load starts only after Prometheus holds a sample of the idle server: every counter's first sample is 0.
@@ -234,7 +197,7 @@ def test_prometheus_scrapes_match_api(stack: Stack) -> None:
                  "dflash_prompt_tokens_total", "sum(dflash_requests_total)"):
         assert prom_value(stack, name, at0) == 0, f"{name} is not 0 before any traffic (warm-up counted?)"
 
-    client = openai.OpenAI(base_url=f"{stack.server_url}/v1", api_key="unused", timeout=60, max_retries=0)
+    client = openai.OpenAI(base_url=f"{stack.server.url}/v1", api_key="unused", timeout=60, max_retries=0)
     model = client.models.list().data[0].id
     with ThreadPoolExecutor(max_workers=4) as pool:
         served = list(pool.map(lambda i: one_request(client, model, i), range(N_REQUESTS)))
@@ -311,7 +274,7 @@ def test_prometheus_scrapes_match_api(stack: Stack) -> None:
     assert not prom_query(stack, over, at)
 
     # Acceptance criterion 1: promtool finds no problem in /metrics after real traffic.
-    body = httpx.get(f"{stack.server_url}/metrics", timeout=5).content
+    body = httpx.get(f"{stack.server.url}/metrics", timeout=5).content
     assert b"dflash_spec_decode_num_drafts_total" in body
     if PROMTOOL is not None:
         proc = subprocess.run([PROMTOOL, "check", "metrics"], input=body, capture_output=True, timeout=30,

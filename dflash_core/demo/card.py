@@ -95,8 +95,11 @@ on the target's own greedy responses to synthetic prompts (not the held-out ones
 
 ## Quality (held-out, measured by `python -m dflash_core.demo.build --stage eval`)
 
-{res["prompts"]} held-out chat prompts, greedy, batch 1, CPU float32, up to {res["max_new_tokens"]} new tokens,
-plain autoregressive and DFlash runs of the same target interleaved per prompt in one process:
+{res["prompts"]} held-out chat prompts, greedy, batch 1, CPU float32, up to {res["max_new_tokens"]} new tokens.
+Speed is `dflash-bench offline` (plain autoregressive and DFlash runs of the same target interleaved per prompt in
+one process), run by the build as
+`dflash-bench offline --dataset heldout --num-prompts 32 --max-tokens 256 --device cpu --dtype float32 --threads 1`
+would run it:
 
 | figure | value |
 |---|---|
