@@ -74,7 +74,11 @@ class StepOutput:
 
 
 class Drafter(Protocol):
-    """Proposes draft tokens for a request; the engine verifies them with the target."""
+    """Proposes draft tokens for a request; the engine verifies them with the target.
+
+    Optional: `propose_batch(items) -> list[list[int]]` (one call for all requests, items being
+    `(state, last_token, position, n)`) and `release(state)` (frees what a finished request held).
+    """
 
     block_size: int
 
