@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_core.draft import apply_rope
 from dflash_core.target import TargetOutput
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2")
@@ -97,10 +98,6 @@ class NativeTarget:
             self._free.append(cache.index)
 
     @staticmethod
-    def cache_length(cache: Slot) -> int:
-        return cache.length
-
-    @staticmethod
     def crop(cache: Slot, length: int) -> None:
         cache.length = min(cache.length, length)
 
@@ -134,7 +131,6 @@ class NativeTarget:
 
         h = self.embed_tokens(ids)
         cos, sin = self.rotary(h, pos)
-        cos, sin = cos[:, None], sin[:, None]
         want = set(self.layer_ids) if features else set()
         feats: dict[int, torch.Tensor] = {}
         for li, layer in enumerate(self.layers):
@@ -146,8 +142,7 @@ class NativeTarget:
             if hasattr(attn, "q_norm"):
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = q.transpose(1, 2), k.transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             kc, vc = self.k_cache[li], self.v_cache[li]
             if one_slot:  # plain slice writes and views: no gather
                 s0, p0 = rows[0][2].index, rows[0][1]
@@ -182,7 +177,3 @@ class NativeTarget:
             outs.append(TargetOutput(row_logits, feat[r, :m] if feat is not None else None))
         return outs
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -57,10 +57,6 @@ class HFTarget:
         """Nothing to do: a DynamicCache is freed with its request."""
 
     @staticmethod
-    def cache_length(cache: DynamicCache) -> int:
-        return int(cache.get_seq_length())
-
-    @staticmethod
     def crop(cache: DynamicCache, length: int) -> None:
         """Roll the cache back to `length` positions (negative crop works on transformers 4.57 and 5.x)."""
         remove = int(cache.get_seq_length()) - length
