@@ -1,26 +1,36 @@
-# syntax=docker/dockerfile:1
 # dflash-serve: OpenAI-compatible server with DFlash speculative decoding.
-# CUDA comes with the PyTorch wheels (the host needs only the NVIDIA driver and the NVIDIA container toolkit),
-# so a plain Python base image serves both GPU and CPU builds; TORCH_INDEX_URL picks the wheel flavour.
-#   docker build -t dflash-serve .                                                    # CUDA 12.8 wheels
-#   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu -t dflash-serve:cpu .
-#   docker run --gpus all -p 8000:8000 -e HF_TOKEN dflash-serve --config /app/configs/qwen3-8b.yaml
-#   docker run -p 8000:8000 dflash-serve                                              # CPU demo pair
+# Python dependencies come from docker/requirements.lock (exact versions + sha256 hashes, resolved for the CPU
+# torch build on linux/amd64; regenerate with docker/lock.sh). TORCH_INDEX_URL picks the torch flavour: the CPU
+# wheel by default (the demo pair runs anywhere), a CUDA index for GPU hosts (CUDA comes with the wheels; the host
+# needs only the NVIDIA driver and the NVIDIA container toolkit):
+#   docker build -t dflash-serve:cpu .
+#   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 -t dflash-serve:cuda .
+#   podman build --format docker -t dflash-serve:cpu .    # podman's default OCI format drops the HEALTHCHECK
+#   docker run --rm -p 127.0.0.1:8000:8000 dflash-serve:cpu                               # CPU demo pair
+#   docker run --rm --gpus all -p 127.0.0.1:8000:8000 -e HF_TOKEN \
+#       -v ~/.cache/huggingface:/home/dflash/.cache/huggingface dflash-serve:cuda --config /app/configs/qwen3-8b.yaml
 ARG PYTHON_VERSION=3.11
 
 FROM python:${PYTHON_VERSION}-slim AS build
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_VERSION=2.13.0
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH
-RUN python -m venv /opt/venv \
-    && pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /src
+COPY docker/requirements.lock ./
+# A non-CPU torch is installed first, by version (its hashes are not in the lock); the lock then sees it as
+# satisfying `torch==2.13.0` and installs everything else, hash-checked, without resolving anything.
+RUN python -m venv /opt/venv \
+    && if [ "${TORCH_INDEX_URL}" != "https://download.pytorch.org/whl/cpu" ]; then \
+         pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"; \
+       fi \
+    && pip install --require-hashes --no-deps -r requirements.lock
 COPY pyproject.toml README.md ./
 COPY dflash_core ./dflash_core
 COPY server ./server
-RUN pip install --no-cache-dir .
+RUN pip install --no-deps --no-build-isolation . \
+    && pip check
 
 FROM python:${PYTHON_VERSION}-slim
 LABEL org.opencontainers.image.title="dflash-serve" \
@@ -40,6 +50,8 @@ COPY configs ./configs
 COPY --chmod=0755 docker/entrypoint.sh /usr/local/bin/entrypoint.sh
 USER 1000:1000
 EXPOSE 8000
+# the server stops within its shutdown timeout (30 s by default) after SIGTERM: `docker stop -t 60` (shutdown timeout + about 20 s)
+STOPSIGNAL SIGTERM
 HEALTHCHECK --interval=30s --timeout=5s --start-period=600s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('DFLASH_PORT', '8000'), timeout=4)"]
 ENTRYPOINT ["/usr/local/bin/entrypoint.sh"]

@@ -25,9 +25,14 @@
 ``dflash-bench serve --base-url URL``
     Over the OpenAI API against any OpenAI-compatible server (dflash-serve, vLLM, SGLang): streaming chat
     completions with ``stream_options.include_usage``, a sweep over concurrency levels (a semaphore keeps
-    that many requests in flight), one warm-up request first. Per level: request throughput, output
-    tokens/s, and p50/p90/p99 of time to first token, inter-token latency, time per output token and
-    end-to-end latency.
+    that many requests in flight), one warm-up request first. A level runs in rounds: each round sends the
+    level's requests (``--num-prompts``, by default 2 x concurrency, at least 4, at most 32; the same
+    requests every round) and waits for all of them. A level runs at least ``--repeats`` rounds (default 3)
+    and at least ``--min-duration`` seconds (default 10), so one slow or fast second does not decide it.
+    Per level: request throughput, output tokens/s (total tokens / total time of the level's rounds), their
+    spread over the rounds (min, max and sample standard deviation of each round's figure), and p50/p90/p99
+    of time to first token, inter-token latency, time per output token and end-to-end latency over all the
+    level's requests.
 
     - TTFT: from sending the request to the first chunk with non-empty ``delta.content``.
     - Output tokens: ``usage.completion_tokens`` of the final usage chunk (the number of content chunks
@@ -47,18 +52,29 @@
     ``--compare BASELINE_JSON`` (the JSON of an earlier ``serve`` run, e.g. against dflash-serve
     ``--no-speculative``) prints and records the speedup at each concurrency level.
 
+``dflash-bench memory PRESET.yaml ...``
+    The GPU memory the native backend allocates at start-up for YAML presets: weights (target + the draft's
+    own), the target's slot KV cache (``max_running_requests x (max_model_len + B + 1)`` rows) and the draft's
+    (one row more per slot), as a Markdown table. Nothing is loaded or downloaded: the presets' models have
+    built-in shapes (``MODEL_SHAPES``), local folders are read from their ``config.json``.
+
 Prompt sets: ``chat``, ``math``, ``code`` (32 each, shipped in ``dflash_core/prompts``), ``all`` (the three
 interleaved), ``heldout`` (the demo pair's held-out set, ``dflash_core/demo/heldout_prompts.jsonl``), a
 JSONL file (``{"messages": [...]}``, ``{"prompt": "..."}`` or ``{"turns": [...]}`` per line), and, through
 the ``datasets`` package with network access, ``gsm8k``, ``math500``, ``humaneval``, ``mbpp`` and
 ``mt-bench`` (first turn), with the prompt formats of z-lab's DFlash benchmark.
 
-Output: a table on the terminal, a JSON file (``BENCH_SCHEMA``) and PNG plots in ``--output-dir``:
+Output: a table on the terminal, a JSON file (``BENCH_SCHEMA``) and PNG plots in the output folder:
+``--output-dir``, else ``$DFLASH_BENCH_DIR``, else ``./bench-results`` when the current folder is writable,
+else ``~/bench-results``, else ``<temp dir>/dflash-bench-results-<uid>`` (an image's root-owned working
+folder falls through to the home folder); an output folder named explicitly that cannot be written stops
+the run before it starts (exit 2). Files:
 ``offline.json``, ``offline_speedup.png``, ``offline_acceptance.png``; ``serve_<label>.json``,
 ``serve_<label>_throughput.png``, ``serve_<label>_latency.png``.
 
-Exit codes: 0 done; 1 a request failed (serve) or the engine failed; 2 bad arguments, a dataset that
-cannot be loaded, models that cannot be loaded or an unreachable server; 3 greedy DFlash output differs
+Exit codes: 0 done; 1 a request failed (serve) or the engine failed; 2 bad arguments, an output folder
+that cannot be written, a dataset that cannot be loaded, models that cannot be loaded or an unreachable
+server; 3 greedy DFlash output differs
 from plain decoding (offline).
 """
 
@@ -73,7 +89,9 @@ import platform
 import random
 import re
 import shlex
+import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -82,9 +100,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: serve levels run in rounds (repeats, rounds, spread; config repeats, min_duration_s)
 SHIPPED_SETS = ("chat", "math", "code")
 DEFAULT_CONCURRENCY = (1, 2, 4, 8)
+DEFAULT_REPEATS = 3
+DEFAULT_MIN_DURATION_S = 10.0
+BENCH_DIR_ENV = "DFLASH_BENCH_DIR"
+DEFAULT_DIR_NAME = "bench-results"
 Message = dict[str, str]
 
 # ---- the JSON schema -----------------------------------------------------------------------------
@@ -98,6 +120,27 @@ _DIST = {
     "description": "mean and percentiles of a quantity in seconds (null without samples)",
     "required": ["mean", "p50", "p90", "p99"],
     "properties": {k: _NUM_OR_NULL for k in ("mean", "p50", "p90", "p99")},
+    "additionalProperties": False,
+}
+_SPREAD = {
+    "type": "object",
+    "description": "spread of a per-round figure over a level's rounds (stdev: sample, null under 2 rounds)",
+    "required": ["min", "max", "stdev"],
+    "properties": {"min": _NUM, "max": _NUM, "stdev": _NUM_OR_NULL},
+    "additionalProperties": False,
+}
+_ROUND = {
+    "type": "object",
+    "description": "one round of a level: its requests sent together (at most `concurrency` in flight)",
+    "required": ["duration_s", "completed", "failed", "output_tokens", "output_tokens_per_s", "request_throughput"],
+    "properties": {
+        "duration_s": _NUM,
+        "completed": {"type": "integer", "minimum": 0},
+        "failed": {"type": "integer", "minimum": 0},
+        "output_tokens": {"type": "integer", "minimum": 0},
+        "output_tokens_per_s": _NUM,
+        "request_throughput": _NUM,
+    },
     "additionalProperties": False,
 }
 _COMMON = {
@@ -261,6 +304,7 @@ _LEVEL = {
     "type": "object",
     "required": [
         "concurrency",
+        "repeats",
         "num_requests",
         "completed",
         "failed",
@@ -275,9 +319,12 @@ _LEVEL = {
         "mean_acceptance_length",
         "dflash",
         "errors",
+        "spread",
+        "rounds",
     ],
     "properties": {
         "concurrency": {"type": "integer", "minimum": 1},
+        "repeats": {"type": "integer", "minimum": 1, "description": "rounds run at this level"},
         "num_requests": _INT,
         "completed": _INT,
         "failed": _INT,
@@ -297,6 +344,13 @@ _LEVEL = {
             "properties": {k: _INT for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")},
         },
         "errors": {"type": "array", "items": {"type": "string"}, "description": "the first few failures"},
+        "spread": {
+            "type": "object",
+            "description": "run-to-run spread of the level's throughput over its rounds",
+            "required": ["output_tokens_per_s", "request_throughput"],
+            "properties": {"output_tokens_per_s": _SPREAD, "request_throughput": _SPREAD},
+        },
+        "rounds": {"type": "array", "items": _ROUND, "minItems": 1},
     },
 }
 SERVE_SCHEMA: dict[str, Any] = {
@@ -319,7 +373,16 @@ SERVE_SCHEMA: dict[str, Any] = {
         "label": {"type": "string"},
         "config": {
             "type": "object",
-            "required": ["base_url", "model", "dataset", "max_tokens", "temperature", "concurrency"],
+            "required": [
+                "base_url",
+                "model",
+                "dataset",
+                "max_tokens",
+                "temperature",
+                "concurrency",
+                "repeats",
+                "min_duration_s",
+            ],
             "properties": {
                 "base_url": {"type": "string"},
                 "model": {"type": "string"},
@@ -330,6 +393,8 @@ SERVE_SCHEMA: dict[str, Any] = {
                 "seed": {"type": "integer"},
                 "concurrency": {"type": "array", "items": {"type": "integer", "minimum": 1}},
                 "num_prompts": {"type": ["integer", "null"]},
+                "repeats": {"type": "integer", "minimum": 1, "description": "least rounds per level"},
+                "min_duration_s": {"type": "number", "minimum": 0, "description": "least seconds per level"},
             },
         },
         "server": {"type": "object", "description": "the model entry of /v1/models, as the server sent it"},
@@ -695,7 +760,7 @@ def run_offline(
     def params(i: int, n: int = max_tokens) -> Any:
         return SamplingParams(max_tokens=n, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed + i)
 
-    greedy = temperature == 0.0
+    greedy = params(0).greedy  # the engine's rule: temperature below SAMPLING_EPS is greedy
     if warmup and encoded:
         for eng in (plain, dflash):
             _run_request(eng, encoded[0], params(-1, min(max_tokens, 16)))
@@ -839,7 +904,31 @@ async def _stream_request(
     }
 
 
-def _level_result(concurrency: int, results: list[dict[str, Any]], duration: float) -> dict[str, Any]:
+def _round_result(results: list[dict[str, Any]], duration: float) -> dict[str, Any]:
+    """One round of a level: its requests and their wall time."""
+    ok = [r for r in results if r["ok"]]
+    tokens = sum(r["tokens"] for r in ok)
+    return {
+        "duration_s": duration,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / duration if duration > 0 else 0.0,
+        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
+    }
+
+
+def spread(values: Sequence[float]) -> dict[str, float | None]:
+    """min, max and sample standard deviation (None under 2 values) of per-round figures."""
+    xs = [float(v) for v in values]
+    return {"min": min(xs), "max": max(xs), "stdev": statistics.stdev(xs) if len(xs) > 1 else None}
+
+
+def _level_result(
+    concurrency: int, results: list[dict[str, Any]], duration: float, rounds: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """A level's figures over all its requests; `duration` is the total wall time of its rounds."""
+    rounds = rounds or [_round_result(results, duration)]
     ok = [r for r in results if r["ok"]]
     tokens = sum(r["tokens"] for r in ok)
     specs = [r["spec"] for r in ok if r["spec"] is not None]
@@ -854,6 +943,7 @@ def _level_result(concurrency: int, results: list[dict[str, Any]], duration: flo
         mean_al = 1.0 + spec_sum["num_accepted_tokens"] / d if d else 1.0
     return {
         "concurrency": concurrency,
+        "repeats": len(rounds),
         "num_requests": len(results),
         "completed": len(ok),
         "failed": len(results) - len(ok),
@@ -868,6 +958,11 @@ def _level_result(concurrency: int, results: list[dict[str, Any]], duration: flo
         "mean_acceptance_length": mean_al,
         "dflash": spec_sum,
         "errors": [r["error"] for r in results if not r["ok"]][:5],
+        "spread": {
+            "output_tokens_per_s": spread([r["output_tokens_per_s"] for r in rounds]),
+            "request_throughput": spread([r["request_throughput"] for r in rounds]),
+        },
+        "rounds": rounds,
     }
 
 
@@ -889,6 +984,8 @@ async def _serve_async(
     seed: int,
     timeout: float,
     progress: bool,
+    repeats: int = 1,
+    min_duration: float = 0.0,
 ) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
     import openai
 
@@ -914,7 +1011,7 @@ async def _serve_async(
         if not warm["ok"]:
             raise BenchError(f"the warm-up request failed: {warm['error']}")
         counts = [num_prompts or default_num_prompts(c) for c in concurrency]
-        bar = _progress(sum(counts), "serve", progress)
+        bar = _progress(sum(counts) * repeats, "serve", progress)
         levels = []
         try:
             for c, n in zip(concurrency, counts):
@@ -935,9 +1032,21 @@ async def _serve_async(
                     return r
 
                 bar.set_description(f"serve c={c}")
-                t0 = time.perf_counter()
-                results = await asyncio.gather(*(one(i) for i in range(n)))
-                levels.append(_level_result(c, list(results), time.perf_counter() - t0))
+                results: list[dict[str, Any]] = []
+                rounds: list[dict[str, Any]] = []
+                elapsed = 0.0
+                # rounds until both minimums are met; every round sends the same requests
+                while len(rounds) < repeats or elapsed < min_duration:
+                    if len(rounds) >= repeats:
+                        bar.total += n
+                        bar.refresh()
+                    t0 = time.perf_counter()
+                    batch = list(await asyncio.gather(*(one(i) for i in range(n))))
+                    took = time.perf_counter() - t0
+                    elapsed += took
+                    results += batch
+                    rounds.append(_round_result(batch, took))
+                levels.append(_level_result(c, results, elapsed, rounds))
         finally:
             bar.close()
     finally:
@@ -993,8 +1102,13 @@ def run_serve(
     label: str | None = None,
     dataset: str = "custom",
     progress: bool = True,
+    repeats: int = DEFAULT_REPEATS,
+    min_duration: float = DEFAULT_MIN_DURATION_S,
 ) -> dict[str, Any]:
-    """The concurrency sweep against an OpenAI-compatible server; the `serve` result (without the header)."""
+    """The concurrency sweep against an OpenAI-compatible server; the `serve` result (without the header).
+
+    Each level runs rounds of its requests until it has run at least `repeats` rounds and `min_duration`
+    seconds."""
     model, info, levels = asyncio.run(
         _serve_async(
             base_url,
@@ -1009,6 +1123,8 @@ def run_serve(
             seed,
             timeout,
             progress,
+            repeats,
+            min_duration,
         )
     )
     config = {
@@ -1021,6 +1137,8 @@ def run_serve(
         "seed": seed,
         "concurrency": list(concurrency),
         "num_prompts": num_prompts,
+        "repeats": repeats,
+        "min_duration_s": min_duration,
     }
     return {
         "environment": environment(),
@@ -1030,6 +1148,163 @@ def run_serve(
         "levels": levels,
         "comparison": None,
     }
+
+
+# ---- memory -------------------------------------------------------------------------------------
+
+# config.json fields of the preset models. Targets: their published configs. Drafts (they share the target's
+# embeddings and head): assumed, not read from the hub: 5 layers with the target's layer shapes (z-lab's
+# Qwen3-8B-DFlash-b16 reads 5 target layers, [1, 9, 17, 25, 33], one per draft layer). A local folder's
+# config.json replaces these (memory_estimate with a path).
+MODEL_SHAPES: dict[str, dict[str, Any]] = {
+    "Qwen/Qwen3-8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                          num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+                          max_position_embeddings=40960, qk_norm=True),
+    "Qwen/Qwen3-4B": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                          num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                          max_position_embeddings=40960, qk_norm=True),
+    "meta-llama/Llama-3.1-8B-Instruct": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                             num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                             vocab_size=128256, tie_word_embeddings=False,
+                                             max_position_embeddings=131072, qk_norm=False),
+    "z-lab/Qwen3-8B-DFlash-b16": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=5,
+                                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, block_size=16,
+                                      target_layer_ids=[1, 9, 17, 25, 33], qk_norm=True),
+    "z-lab/Qwen3-4B-DFlash-b16": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=5,
+                                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, block_size=16,
+                                      target_layer_ids=[1, 9, 17, 25, 33], qk_norm=True),
+    "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat": dict(hidden_size=4096, intermediate_size=14336,
+                                                        num_hidden_layers=5, num_attention_heads=32,
+                                                        num_key_value_heads=8, head_dim=128, block_size=16,
+                                                        target_layer_ids=[1, 8, 15, 22, 29], qk_norm=True),
+}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
+GB = 1e9
+
+
+def _model_shape(name: str) -> dict[str, Any]:
+    """config.json fields of a preset model, or of a local folder's config.json."""
+    if name in MODEL_SHAPES:
+        return MODEL_SHAPES[name]
+    path = Path(name).expanduser() / "config.json"
+    if not path.is_file():
+        raise BenchError(f"unknown model {name!r}: pass a local folder with a config.json, or one of "
+                         f"{', '.join(MODEL_SHAPES)}")
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+    cfg = {**cfg, **cfg.get("text_config", {})}
+    dflash = cfg.get("dflash_config") or {}
+    heads = int(cfg["num_attention_heads"])
+    return {
+        **cfg,
+        "num_key_value_heads": int(cfg.get("num_key_value_heads") or heads),
+        "head_dim": int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+        "qk_norm": cfg.get("model_type") in ("qwen3", None) or "DFlashDraftModel" in cfg.get("architectures", []),
+        "target_layer_ids": dflash.get("target_layer_ids") or cfg.get("target_layer_ids") or [],
+        "block_size": cfg.get("block_size") or dflash.get("block_size"),
+    }
+
+
+def _layer_params(m: dict[str, Any]) -> int:
+    """One decoder layer: attention (q, k, v, o; q/k norms for Qwen3), gated MLP, two RMSNorms."""
+    h, hd = int(m["hidden_size"]), int(m["head_dim"])
+    q, kv = int(m["num_attention_heads"]) * hd, int(m["num_key_value_heads"]) * hd
+    attn = h * q + 2 * h * kv + q * h + (2 * hd if m.get("qk_norm") else 0)
+    return attn + 3 * h * int(m["intermediate_size"]) + 2 * h
+
+
+def target_params(m: dict[str, Any]) -> int:
+    """Parameters of a dense decoder LM: embeddings (+ an untied head), layers, final norm."""
+    h, v = int(m["hidden_size"]), int(m["vocab_size"])
+    heads = v * h * (1 if m.get("tie_word_embeddings") else 2)
+    return heads + int(m["num_hidden_layers"]) * _layer_params(m) + h
+
+
+def draft_params(m: dict[str, Any]) -> int:
+    """A DFlash draft's own parameters: fc (features of len(ids) target layers -> hidden), hidden_norm, layers,
+    norm (it uses the target's embeddings and head)."""
+    h = int(m["hidden_size"])
+    return len(m["target_layer_ids"]) * h * h + h + int(m["num_hidden_layers"]) * _layer_params(m) + h
+
+
+def kv_bytes_per_row(m: dict[str, Any], dtype_bytes: int) -> int:
+    """Keys + values of one position over all layers."""
+    return 2 * int(m["num_hidden_layers"]) * int(m["num_key_value_heads"]) * int(m["head_dim"]) * dtype_bytes
+
+
+def memory_estimate(
+    target: str,
+    draft: str | None,
+    *,
+    dtype: str = "bfloat16",
+    max_model_len: int | None = None,
+    max_running_requests: int = 8,
+    block_size: int | None = None,
+) -> dict[str, Any]:
+    """GPU memory the native backend allocates up front, in bytes: weights, and the slot KV caches it
+    preallocates (dflash_core.loading): the target's `max_running_requests x (max_model_len + B + 1)` rows and
+    the draft's one row more per slot. Activations, the CUDA context and allocator slack come on top."""
+    t = _model_shape(target)
+    d = _model_shape(draft) if draft else None
+    nbytes = DTYPE_BYTES.get(dtype)
+    if nbytes is None:
+        raise BenchError(f"unknown dtype {dtype!r}; choose {', '.join(DTYPE_BYTES)}")
+    block = int(block_size or (d or {}).get("block_size") or 1) if d else 1
+    length = int(max_model_len or t["max_position_embeddings"])
+    rows = length + block + 1
+    out: dict[str, Any] = {
+        "target": target,
+        "draft": draft,
+        "dtype": dtype,
+        "max_model_len": length,
+        "max_running_requests": max_running_requests,
+        "block_size": block,
+        "target_params": target_params(t),
+        "draft_params": draft_params(d) if d else 0,
+        "target_kv_rows": rows,
+        "draft_kv_rows": rows + 1 if d else 0,
+    }
+    out["weights_bytes"] = (out["target_params"] + out["draft_params"]) * nbytes
+    out["target_kv_bytes"] = kv_bytes_per_row(t, nbytes) * rows * max_running_requests
+    out["draft_kv_bytes"] = kv_bytes_per_row(d, nbytes) * (rows + 1) * max_running_requests if d else 0
+    out["total_bytes"] = out["weights_bytes"] + out["target_kv_bytes"] + out["draft_kv_bytes"]
+    return out
+
+
+def memory_from_preset(path: Path) -> dict[str, Any]:
+    """memory_estimate for a configs/*.yaml preset."""
+    import yaml
+
+    try:
+        cfg = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise BenchError(f"cannot read preset {path}: {exc}") from None
+    if not cfg.get("target"):
+        raise BenchError(f"{path}: no target (the bundled demo pair is a few MB)")
+    est = memory_estimate(
+        cfg["target"],
+        cfg.get("draft") if cfg.get("speculative", True) else None,
+        dtype=cfg.get("dtype") or "auto",
+        max_model_len=cfg.get("max_model_len"),
+        max_running_requests=int(cfg.get("max_running_requests") or 8),
+        block_size=cfg.get("block_size"),
+    )
+    return {"preset": str(path), **est}
+
+
+def format_memory(rows: list[dict[str, Any]]) -> str:
+    """A Markdown table of memory estimates (GB = 1e9 bytes)."""
+    head = ("| preset | target + draft | weights GB | target KV GB | draft KV GB | total GB |\n"
+            "|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        slots = f"{r['max_running_requests']} x {r['target_kv_rows']:,} rows"
+        lines.append(
+            f"| `{Path(r['preset']).name}` | {r['target']} ({r['target_params'] / 1e9:.2f} B params) + "
+            f"{r['draft'] or 'no draft'} ({r['draft_params'] / 1e9:.2f} B), {r['dtype']} | "
+            f"{r['weights_bytes'] / GB:.1f} | {r['target_kv_bytes'] / GB:.1f} ({slots}) | "
+            f"{r['draft_kv_bytes'] / GB:.1f} | **{r['total_bytes'] / GB:.1f}** |"
+        )
+    return "\n".join(lines)
 
 
 # ---- tables --------------------------------------------------------------------------------------
@@ -1110,13 +1385,17 @@ def format_serve(result: dict[str, Any]) -> str:
     cfg = result["config"]
     rows = []
     for lv in result["levels"]:
+        tps = lv["spread"]["output_tokens_per_s"]
         rows.append(
             [
                 str(lv["concurrency"]),
                 f"{lv['completed']}/{lv['num_requests']}",
+                str(lv["repeats"]),
                 _f(lv["duration_s"], ".1f"),
                 _f(lv["request_throughput"]),
                 _f(lv["output_tokens_per_s"], ".1f"),
+                f"{_f(tps['min'], '.0f')}-{_f(tps['max'], '.0f')}",
+                _f(tps["stdev"], ".1f"),
                 _pcts(lv["ttft_s"]),
                 _pcts(lv["itl_s"]),
                 _pcts(lv["tpot_s"]),
@@ -1127,9 +1406,12 @@ def format_serve(result: dict[str, Any]) -> str:
         [
             "conc",
             "ok",
+            "rounds",
             "time s",
             "req/s",
             "out tok/s",
+            "round tok/s min-max",
+            "stdev",
             "TTFT p50/90/99 ms",
             "ITL p50/90/99 ms",
             "TPOT p50/90/99 ms",
@@ -1139,7 +1421,9 @@ def format_serve(result: dict[str, Any]) -> str:
     )
     head = (
         f"dflash-bench serve [{result['label']}]: {cfg['base_url']} model {cfg['model']}, dataset "
-        f"{cfg['dataset']}, max_tokens {cfg['max_tokens']}, T={cfg['temperature']}"
+        f"{cfg['dataset']}, max_tokens {cfg['max_tokens']}, T={cfg['temperature']}; each level: at least "
+        f"{cfg['repeats']} rounds and {cfg['min_duration_s']:g} s (out tok/s over all rounds; min-max and stdev "
+        "over rounds)"
     )
     parts = [head, table]
     cmp = result.get("comparison")
@@ -1268,13 +1552,12 @@ def plot_serve(result: dict[str, Any], out_dir: Path, baseline: dict[str, Any] |
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for res, style in runs:
         conc = [lv["concurrency"] for lv in res["levels"]]
-        axes[0].plot(
-            conc, [lv["output_tokens_per_s"] for lv in res["levels"]], style, marker="o", label=res["label"]
-        )
-        axes[1].plot(
-            conc, [lv["request_throughput"] for lv in res["levels"]], style, marker="o", label=res["label"]
-        )
-    ylabels = ["output tokens/s", "requests/s"]
+        for ax, key in zip(axes, ("output_tokens_per_s", "request_throughput")):
+            ys = [lv[key] for lv in res["levels"]]
+            lo = [max(y - lv["spread"][key]["min"], 0.0) for y, lv in zip(ys, res["levels"])]
+            hi = [max(lv["spread"][key]["max"] - y, 0.0) for y, lv in zip(ys, res["levels"])]
+            ax.errorbar(conc, ys, yerr=[lo, hi], fmt=style, marker="o", capsize=3, label=res["label"])
+    ylabels = ["output tokens/s (bars: min-max over rounds)", "requests/s (bars: min-max over rounds)"]
     _save_serve_figure(plt, fig, axes, result, ylabels, "throughput against concurrency", paths[0], legend=8)
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -1317,13 +1600,97 @@ def _concurrency(text: str) -> list[int]:
     return levels
 
 
+# ---- the output folder ---------------------------------------------------------------------------
+
+
+def _writable_dir(path: Path) -> str | None:
+    """Create `path` if needed and write a probe file in it; None when that works, else why not."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".dflash-bench-probe"):
+            pass
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def default_output_dirs() -> list[Path]:
+    """Where results go without --output-dir or $DFLASH_BENCH_DIR, in order: the first writable one wins."""
+    uid = os.getuid() if hasattr(os, "getuid") else "user"
+    dirs = [Path(DEFAULT_DIR_NAME)]
+    try:
+        dirs.append(Path.home() / DEFAULT_DIR_NAME)
+    except RuntimeError:  # no HOME and no passwd entry
+        pass
+    return [*dirs, Path(tempfile.gettempdir()) / f"dflash-bench-results-{uid}"]
+
+
+def resolve_output_dir(explicit: Path | None) -> Path:
+    """The output folder, created and checked writable before any measuring.
+
+    --output-dir, else $DFLASH_BENCH_DIR: used as given, a BenchError (exit 2) when not writable. Else the
+    first writable of ./bench-results, ~/bench-results and <temp dir>/dflash-bench-results-<uid>, with a note
+    on stderr when it is not the first."""
+    env = os.environ.get(BENCH_DIR_ENV, "").strip()
+    if explicit is not None or env:
+        path, origin = (explicit, "--output-dir") if explicit is not None else (Path(env), f"${BENCH_DIR_ENV}")
+        path = path.expanduser()
+        why = _writable_dir(path)
+        if why:
+            raise BenchError(
+                f"output folder {path} ({origin}) is not writable ({why}); pass --output-dir or set "
+                f"{BENCH_DIR_ENV} to a folder you can write"
+            )
+        return path
+    skipped = []
+    for path in default_output_dirs():
+        why = _writable_dir(path)
+        if why is None:
+            if skipped:
+                print(
+                    f"dflash-bench: {'; '.join(skipped)}; writing results to {path} "
+                    f"(--output-dir or ${BENCH_DIR_ENV} choose the folder)",
+                    file=sys.stderr,
+                )
+            return path
+        skipped.append(f"{path.absolute()} is not writable ({why})")
+    raise BenchError(f"no writable output folder: {'; '.join(skipped)}; pass --output-dir or set {BENCH_DIR_ENV}")
+
+
+# ---- command line --------------------------------------------------------------------------------
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the description's line breaks and shows each option's default unless its help names one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            not action.option_strings
+            or "default" in text
+            or default is None
+            or default is False
+            or default is argparse.SUPPRESS
+        ):
+            return text
+        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dflash-bench",
         description="DFlash vs plain decoding, measured side by side.",
         epilog="See `python -c 'import dflash_core.bench as b; help(b)'` for the metrics.",
+        formatter_class=HelpFormatter,
     )
-    sub = p.add_subparsers(dest="mode", required=True)
+    sub = p.add_subparsers(
+        dest="mode",
+        required=True,
+        title="modes",
+        description="`dflash-bench MODE --help` shows a mode's options",
+        metavar="MODE",
+    )
 
     def common(sp: argparse.ArgumentParser, max_tokens: int, num_prompts: int | None) -> None:
         sp.add_argument(
@@ -1336,35 +1703,50 @@ def build_parser() -> argparse.ArgumentParser:
             "--num-prompts",
             type=int,
             default=num_prompts,
-            help=f"prompts to run (default: {num_prompts or 'per concurrency level, see below'})",
+            help="prompts to run" + ("" if num_prompts else " (default: per concurrency level, see below)"),
         )
-        sp.add_argument("--max-tokens", type=int, default=max_tokens, help=f"default {max_tokens}")
-        sp.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
-        sp.add_argument("--top-p", type=float, default=1.0)
+        sp.add_argument("--max-tokens", type=int, default=max_tokens, help="output tokens per request")
+        sp.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+        sp.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
         sp.add_argument("--seed", type=int, default=0, help="request i uses seed + i; also samples datasets")
         sp.add_argument(
-            "--output-dir", type=Path, default=Path("bench-results"), help="default ./bench-results"
+            "--output-dir",
+            type=Path,
+            default=None,
+            help=f"folder for the JSON and the plots (default: ${BENCH_DIR_ENV}, else ./{DEFAULT_DIR_NAME} when "
+            f"writable, else ~/{DEFAULT_DIR_NAME}, else <temp dir>/dflash-bench-results-<uid>)",
         )
         sp.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
         sp.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    off = sub.add_parser("offline", help="in-process: plain decoding vs DFlash on the same target")
+    off = sub.add_parser(
+        "offline",
+        help="in-process: plain vs DFlash decoding of one target",
+        description="In-process: plain decoding vs DFlash on the same target, prompt by prompt, interleaved.",
+        formatter_class=HelpFormatter,
+    )
     common(off, max_tokens=128, num_prompts=16)
     off.add_argument("--target", help="target folder or hub id (default: the bundled demo pair)")
     off.add_argument("--draft", help="DFlash draft folder or hub id (default: the demo draft)")
-    off.add_argument("--tokenizer", help="default: the target's")
-    off.add_argument("--block-size", type=int, help="default: the draft's")
+    off.add_argument("--tokenizer", help="tokenizer folder or hub id (default: the target's)")
+    off.add_argument("--block-size", type=int, help="block size B (default: the draft's)")
     off.add_argument("--backend", default="auto", choices=["auto", "native", "hf"],
-                     help="target forward, as dflash-serve --backend (default: auto)")
+                     help="target forward, as dflash-serve --backend")
     off.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     off.add_argument(
         "--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16"
     )
-    off.add_argument("--top-k", type=int, default=0)
+    off.add_argument("--top-k", type=int, default=0, help="top-k sampling; 0 is off")
     off.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     off.add_argument("--no-warmup", action="store_true", help="skip the warm-up request")
 
-    srv = sub.add_parser("serve", help="over the OpenAI API: a concurrency sweep against a running server")
+    srv = sub.add_parser(
+        "serve",
+        help="over HTTP: a concurrency sweep against a running server",
+        description="Over the OpenAI API: a concurrency sweep against a running server (dflash-serve, vLLM, "
+        "SGLang, ...).",
+        formatter_class=HelpFormatter,
+    )
     common(srv, max_tokens=64, num_prompts=None)
     srv.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
     srv.add_argument(
@@ -1377,16 +1759,42 @@ def build_parser() -> argparse.ArgumentParser:
         "--concurrency",
         type=_concurrency,
         default=list(DEFAULT_CONCURRENCY),
-        help="comma-separated levels (default 1,2,4,8); requests per level: --num-prompts, or by "
+        help="comma-separated levels (default 1,2,4,8); requests per round: --num-prompts, or by "
         "default 2 x concurrency (at least 4, at most 32)",
+    )
+    srv.add_argument(
+        "--repeats",
+        type=int,
+        default=DEFAULT_REPEATS,
+        help="least rounds per level; each round sends the level's requests again and the table shows "
+        "the spread of tokens/s over rounds",
+    )
+    srv.add_argument(
+        "--min-duration",
+        type=float,
+        default=DEFAULT_MIN_DURATION_S,
+        metavar="SECONDS",
+        help="least seconds per level: rounds go on until both --repeats and this are reached",
     )
     srv.add_argument(
         "--label",
         help="name of this run in tables, plots and file names (default: dflash or "
         "baseline for dflash-serve, else the model id)",
     )
-    srv.add_argument("--compare", type=Path, metavar="BASELINE_JSON", help="a serve JSON to compare with")
-    srv.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    srv.add_argument(
+        "--compare", type=Path, metavar="BASELINE_JSON", help="a serve JSON to compare with (default: none)"
+    )
+    srv.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+
+    mem = sub.add_parser(
+        "memory",
+        help="GPU memory of presets: weights + target KV + draft KV",
+        description="GPU memory the native backend allocates at start-up for YAML presets (configs/*.yaml): "
+        "weights, the target's slot KV cache and the draft's. Activations and the CUDA context come on top. "
+        "Model shapes: built in for the presets' hub ids, else read from a local folder's config.json.",
+        formatter_class=HelpFormatter,
+    )
+    mem.add_argument("presets", nargs="+", type=Path, metavar="PRESET", help="YAML preset files")
     return p
 
 
@@ -1394,8 +1802,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`dflash-bench offline|serve ...`; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.mode == "memory":
+        try:
+            print(format_memory([memory_from_preset(path) for path in args.presets]))
+        except BenchError as exc:
+            print(f"dflash-bench: error: {exc}", file=sys.stderr)
+            return exc.code
+        return 0
     if args.max_tokens < 1 or (args.num_prompts is not None and args.num_prompts < 1):
         parser.error("--max-tokens and --num-prompts must be >= 1")
+    if args.mode == "serve" and (args.repeats < 1 or args.min_duration < 0):
+        parser.error("--repeats must be >= 1 and --min-duration >= 0")
     try:
         return _main(args, argv)
     except BenchError as exc:
@@ -1408,21 +1825,20 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     if args.mode == "serve" and args.compare is not None:
         try:
             baseline = json.loads(args.compare.read_text(encoding="utf-8"))
+            if isinstance(baseline, dict) and baseline.get("schema_version") != SCHEMA_VERSION:
+                raise ValueError(
+                    f"schema_version {baseline.get('schema_version')}, this dflash-bench writes "
+                    f"{SCHEMA_VERSION}: rerun the baseline"
+                )
             validate(baseline)
         except Exception as exc:
             raise BenchError(f"--compare {args.compare}: not a dflash-bench serve JSON ({exc})") from None
         if baseline.get("mode") != "serve":
             raise BenchError(f"--compare {args.compare}: not a serve result")
+    out_dir = resolve_output_dir(args.output_dir)
     prompts = load_prompts(args.dataset, args.num_prompts, args.seed)
-    out_dir: Path = args.output_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
     progress = not args.no_progress
     if args.mode == "offline":
-        if "torch" not in sys.modules:
-            # OpenMP's default busy-wait makes torch 10-20x slower on a CPU shared with other processes
-            # (measured on the 2-core dev machine), and DFlash's multi-token blocks suffer more than plain
-            # decoding. An explicit OMP_WAIT_POLICY is kept; the policy used is recorded in the JSON.
-            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         if args.threads:
             import torch
 
@@ -1467,6 +1883,8 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             label=args.label,
             dataset=args.dataset,
             progress=progress,
+            repeats=args.repeats,
+            min_duration=args.min_duration,
         )
         result = {**_header("serve", argv), **body}
         if baseline is not None:

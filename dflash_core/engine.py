@@ -137,7 +137,11 @@ class DFlashDrafter:
 
     @torch.inference_mode()
     def propose_batch(self, items: list[tuple[_DFlashState, int, int, int]]) -> list[list[int]]:
-        """Argmax proposals for each (state, last token, its position, how many)."""
+        """Argmax proposals for each (state, last token, its position, how many).
+
+        Nothing is consumed unless the whole call succeeds: the pending context features stay pending and a
+        per-request cache keeps its length, so a failed call can be retried (the engine retries one by one).
+        """
         device, dtype = self.target.device, self.target.dtype
         if self.slots is None and len(items) > 1:
             return [self.propose(*item) for item in items]
@@ -158,8 +162,6 @@ class DFlashDrafter:
                     c = f.shape[0]
                     ctx[r, :c] = f.to(dtype)
                     ctx_pos[r, :c] = torch.arange(items[r][2] - c, items[r][2], device=device)
-        for st, *_ in items:
-            st.pending.clear()
         block = torch.full((b, width), self.mask_token_id, device=device, dtype=torch.long)
         block[:, 0] = torch.tensor([last for _, last, _, _ in items], device=device)
         block_pos = positions[:, None] + torch.arange(width, device=device)[None]
@@ -168,8 +170,18 @@ class DFlashDrafter:
             lens = dict(ctx_len=positions, block_len=torch.tensor([n + 1 for *_, n in items], device=device))
         else:
             cache, lens = items[0][0].cache, {}
-        hidden = self.draft(self.draft.embed(block, self.target.embed_weight), block_pos, ctx, ctx_pos, cache, **lens)
-        best = self.draft.logits(hidden[:, 1:], self.target.lm_head_weight).argmax(dim=-1).tolist()
+        # The slot cache is written by position (a retry rewrites the same rows); a per-request cache appends.
+        rollback = cache.length if isinstance(cache, DraftKVCache) else None
+        try:
+            emb = self.draft.embed(block, self.target.embed_weight)
+            hidden = self.draft(emb, block_pos, ctx, ctx_pos, cache, **lens)
+            best = self.draft.logits(hidden[:, 1:], self.target.lm_head_weight).argmax(dim=-1).tolist()
+        except BaseException:
+            if rollback is not None:
+                cache.length = rollback
+            raise
+        for st, *_ in items:  # only now is the context in the draft cache
+            st.pending.clear()
         return [row[:n] for row, (*_, n) in zip(best, items)]
 
 
@@ -356,10 +368,13 @@ class Engine:
         try:
             outs: list[Any] = self.target.forward_batch(rows, features=want)
         except Exception:  # find out which request it was: run them one by one
+            log.warning("batched verify failed; retrying request by request", exc_info=True)
             outs = []
-            for row in rows:
+            for tokens, start, cache in rows:
                 try:
-                    outs.append(self.target.forward(*row, features=want))
+                    # Rows that ran before the failure already appended to their cache (hf): back to the start.
+                    self.target.crop(cache, start)
+                    outs.append(self.target.forward(tokens, start, cache, features=want))
                 except Exception as exc:
                     outs.append(exc)
         elapsed = time.perf_counter() - t0
@@ -372,7 +387,11 @@ class Engine:
         return done
 
     def _accept(self, req: _Request, proposals: list[int], out: TargetOutput) -> StepOutput:
-        """Keep the longest prefix of the draft that the target agrees with, plus the target's own next token."""
+        """Keep the longest prefix of the draft that the target agrees with, plus the target's own next token.
+
+        Row i of the verify block picks the token at position p + 1 + i with that position's uniform, exactly as
+        plain decoding would, so the committed tokens are the target's own choices whatever the draft proposed.
+        """
         p = req.position
         chosen = choose_tokens(out.logits, req.params, req.seed, p + 1)
         accepted = 0
@@ -398,7 +417,8 @@ class Engine:
             num_draft_tokens=len(proposals),
             num_accepted_tokens=accepted,
         )
-        return self._commit(req, chosen[: accepted + 1], out.logits, step)
+        # The accepted draft tokens (equal to the target's choices), then the target's own token after them.
+        return self._commit(req, proposals[:accepted] + chosen[accepted : accepted + 1], out.logits, step)
 
     def _commit(self, req: _Request, tokens: list[int], logits: torch.Tensor, step: StepOutput) -> StepOutput:
         """Append tokens, cutting at the first stop token or at max_tokens; fill in logprobs."""

@@ -118,6 +118,8 @@ class NativeTarget:
         last_pos = max(start for _, start, _ in rows) + n
         if last_pos > self.max_len:
             raise ValueError(f"position {last_pos} beyond the KV cache ({self.max_len})")
+        if any(start > cache.length for _, start, cache in rows):  # rows never written would be visible
+            raise ValueError("a row starts past the end of its slot's cache")
         ids = torch.tensor([t + [t[-1]] * (n - len(t)) for t, _, _ in rows], device=self.device)
         starts = torch.tensor([s for _, s, _ in rows], device=self.device)
         pos = starts[:, None] + torch.arange(n, device=self.device)[None]  # [b, n]
@@ -131,9 +133,13 @@ class NativeTarget:
 
         h = self.embed_tokens(ids)
         cos, sin = self.rotary(h, pos)
-        want = set(self.layer_ids) if features else set()
-        feats: dict[int, torch.Tensor] = {}
+        # transformers' numbering: hidden state j is the input of layer j (0: the embeddings) and hidden state
+        # num_layers comes after the final norm; the feature of target layer i is hidden state i + 1.
+        hidden_ids = [i + 1 for i in self.layer_ids] if features else []
+        hidden: dict[int, torch.Tensor] = {}
         for li, layer in enumerate(self.layers):
+            if li in hidden_ids:
+                hidden[li] = h
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             q = attn.q_proj(x).view(b, n, self.num_heads, self.head_dim)
@@ -159,16 +165,14 @@ class NativeTarget:
             )
             h = h + attn.o_proj(out.transpose(1, 2).reshape(b, n, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-            if li in want and li != self.num_layers - 1:
-                feats[li] = h
         h = self.norm(h)
-        if self.num_layers - 1 in want:
-            feats[self.num_layers - 1] = h  # transformers returns the last layer after the final norm
+        if self.num_layers in hidden_ids:
+            hidden[self.num_layers] = h
         if last_only:
             last = torch.tensor([len(t) - 1 for t, _, _ in rows], device=self.device)
             h = h[torch.arange(b, device=self.device), last][:, None]
         logits = self.lm_head(h).float()
-        feat = torch.cat([feats[i] for i in self.layer_ids], dim=-1) if want else None
+        feat = torch.cat([hidden[j] for j in hidden_ids], dim=-1) if hidden_ids else None
         outs = []
         for r, (tokens, start, cache) in enumerate(rows):
             m = len(tokens)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 MAX_LOGPROBS = 20
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's rule): logits / t would overflow to inf / NaN
 _MASK64 = (1 << 64) - 1
 
 
@@ -32,7 +33,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax decoding: temperature 0, or one so small that dividing by it overflows (< SAMPLING_EPS)."""
+        return self.temperature < SAMPLING_EPS
 
     def validate(self) -> None:
         """Raise ValueError naming the offending field."""
@@ -65,21 +67,33 @@ def position_uniform(seed: int, position: int) -> float:
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (vLLM order); rows renormalised. logits [n, V] -> probs [n, V] fp32."""
-    scores = logits.float() / params.temperature
+    """Temperature, then top-k, then top-p (vLLM order); rows renormalised. logits [n, V] -> probs [n, V] fp32.
+
+    top-k keeps every token whose scaled logit is >= the k-th largest, so ties at the k-th value are all kept (as
+    vLLM does). top-p keeps, in order of decreasing probability (ties: lower token id first), each token whose
+    preceding mass is < top_p, so the token that crosses top_p is kept and the most likely token always is.
+    A greedy request (temperature < SAMPLING_EPS) gets a one-hot at the argmax; the result never holds NaN.
+    """
+    logits = logits.float()
+    onehot = torch.zeros_like(logits).scatter(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    if params.greedy:
+        return onehot
+    scores = logits / params.temperature
     vocab = scores.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
         keep = (sorted_probs.cumsum(-1) - sorted_probs) < params.top_p
         keep[..., 0] = True
         sorted_probs = sorted_probs * keep
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    # Guard: a row that still went non-finite (inf logits from the model) falls back to its argmax.
+    bad = ~torch.isfinite(probs).all(dim=-1, keepdim=True)
+    return torch.where(bad, onehot, probs)
 
 
 def choose_tokens(logits: torch.Tensor, params: SamplingParams, seed: int, first_position: int) -> list[int]:

@@ -58,10 +58,20 @@ class HFTarget:
 
     @staticmethod
     def crop(cache: DynamicCache, length: int) -> None:
-        """Roll the cache back to `length` positions (negative crop works on transformers 4.57 and 5.x)."""
-        remove = int(cache.get_seq_length()) - length
-        if remove > 0:
-            cache.crop(-remove)
+        """Roll the cache back to `length` positions (negative crop works on transformers 4.57 and 5.x).
+
+        Layer by layer: a forward that failed halfway appended to the first layers only.
+        """
+        layers = getattr(cache, "layers", None)
+        if layers is None:  # an older cache layout: one length for all layers
+            remove = int(cache.get_seq_length()) - length
+            if remove > 0:
+                cache.crop(-remove)
+            return
+        for layer in layers:
+            remove = int(layer.get_seq_length()) - length
+            if remove > 0:
+                layer.crop(-remove)
 
     @torch.inference_mode()
     def forward(

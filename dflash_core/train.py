@@ -50,11 +50,26 @@ class Example:
 # ---------------------------------------------------------------- arguments
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the description's line breaks and shows each option's default unless its help names one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            not action.option_strings
+            or "default" in text
+            or default is None
+            or default is False
+            or default is argparse.SUPPRESS
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The dflash-train command line (every option documented)."""
-    p = argparse.ArgumentParser(
-        prog="dflash-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    """The dflash-train command line (every option documented, with its default)."""
+    p = argparse.ArgumentParser(prog="dflash-train", description=__doc__, formatter_class=HelpFormatter)
     g = p.add_argument_group("target and data")
     g.add_argument("--target", required=True, help="target model: a local folder or a hub id (transformers causal LM)")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: the target's)")
@@ -65,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--output", required=True, type=Path, help="output folder for the draft (config.json + weights)")
     g.add_argument("--regenerate", action="store_true", help="let the target regenerate responses the data has")
-    g.add_argument("--max-samples", type=int, default=None, help="use at most this many rows of --data")
+    g.add_argument("--max-samples", type=int, default=None, help="use at most this many rows of --data (default: all)")
     g.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are cut from the left")
     g.add_argument("--max-new-tokens", type=int, default=256, help="response length limit when generating")
     g.add_argument("--gen-batch-size", type=int, default=32, help="prompts per batched generate call")
@@ -94,14 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-seq-len", type=int, default=1024, help="training sequences are cut to this many tokens")
     g.add_argument("--seed", type=int, default=0, help="seed for every random choice")
     g.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     g = p.add_argument_group("checkpoints")
     g.add_argument("--save-every", type=int, default=200, help="write a checkpoint every N steps (0: never)")
     g.add_argument("--resume", action="store_true", help="continue from OUTPUT/checkpoint when present")
     g.add_argument("--overwrite", action="store_true", help="allow a non-empty output folder")
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval-data", type=Path, default=None,
-                   help="held-out JSONL prompts: after training, measure the real acceptance length with the engine")
+                   help="held-out JSONL prompts: after training, measure the real acceptance length with the engine "
+                        "(default: none, no evaluation)")
     g.add_argument("--eval-n", type=int, default=32, help="held-out prompts to use")
     g.add_argument("--eval-max-new-tokens", type=int, default=256, help="tokens per held-out prompt")
     g.add_argument("--eval-speedup", action="store_true",
@@ -323,11 +339,30 @@ def block_loss(
 # ---------------------------------------------------------------- checkpoints
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def share_modes(path: Path) -> None:
+    """Make a written file or folder (recursively) readable like a normal file: 0644 / 0755 less the umask.
+
+    tempfile.mkdtemp makes 0700 folders and safetensors writes 0600 files; weights written that way are
+    unreadable to anyone else, e.g. the serving container's user (uid 1000)."""
+    mask = _umask()
+    paths = [path, *path.rglob("*")] if path.is_dir() else [path]
+    for p in paths:
+        if not p.is_symlink():
+            p.chmod((0o755 if p.is_dir() else 0o644) & ~mask)
+
+
 def atomic_dir_write(final: Path, write: Any) -> None:
     """Write a folder through a temporary sibling, then swap it in: never a half-written checkpoint."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp", dir=final.parent))
     try:
         write(tmp)
+        share_modes(tmp)
         old = final.with_name(f".{final.name}.old")
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
@@ -353,6 +388,7 @@ def save_final(out: Path, draft: DFlashDraft) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=".final.tmp", dir=out))
     try:
         draft.save(tmp)
+        share_modes(tmp)
         for name in ("model.safetensors", "config.json"):
             os.replace(tmp / name, out / name)
     finally:
@@ -529,6 +565,7 @@ def train(args: argparse.Namespace, rows: list[dict[str, Any]], model: Any, tok:
         if "resized" in note:
             model.save_pretrained(out / "target_resized")
             tok.save_pretrained(out / "target_resized")
+            share_modes(out / "target_resized")
     if args.target_layer_ids:
         try:
             layer_ids = [int(x) for x in args.target_layer_ids.split(",")]

@@ -1,70 +1,365 @@
-"""``dflash-serve`` / ``python -m server``: parse settings, start uvicorn, exit 0 on SIGTERM."""
+"""``dflash-serve`` / ``python -m server``: check the settings, start uvicorn, drain on SIGTERM.
+
+Start-up: settings (one line and exit 2 when one is impossible), logging, then cheap checks that need no model
+(a ``--target`` / ``--draft`` / ``--tokenizer`` that is neither a folder nor a hub id, ``--device cuda`` without
+CUDA: one line and exit 1). The models load in the background so that ``/health`` answers 503 meanwhile; a load
+failure logs one line (the traceback with ``--log-level debug``) and exits 1.
+
+Connections: ``--limit-concurrency`` open connections (idle ones count) or requests in progress at most; beyond,
+a request gets an immediate 503 envelope and its connection is closed. ``--header-timeout`` closes a connection
+whose request headers have not arrived that long after it opened (or after its previous response), which uvicorn
+alone never does; ``--keep-alive-timeout`` is uvicorn's idle keep-alive timeout.
+
+Shutdown (SIGTERM or SIGINT): the server stops admitting (new requests and ``/health`` get 503) and lets the
+requests in progress finish for up to ``--shutdown-timeout`` seconds. Then running streams get an error event and
+``data: [DONE]``, non-streamed and queued requests a 503 envelope; once those are sent uvicorn closes the
+connections and the process exits 0. A second SIGTERM / SIGINT exits at once (status 128 + signal number).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 import os
+import re
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
 
-# Before torch (and its OpenMP runtime) loads: on a CPU shared with other processes, spinning OpenMP workers make
-# every small forward many times slower; PASSIVE lets idle workers sleep. An explicit setting is kept.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
+from uvicorn.server import ServerState as UvicornState
 
-import logging  # noqa: E402
-import signal  # noqa: E402
-import sys  # noqa: E402
-from collections.abc import Sequence  # noqa: E402
-from typing import Any  # noqa: E402
-
-import uvicorn  # noqa: E402
-
-from server.app import create_app  # noqa: E402
-from server.logs import setup_logging  # noqa: E402
-from server.settings import Settings, build_parser, resolve_settings  # noqa: E402
+import dflash_core  # noqa: F401  # before server.app loads torch: sets OMP_WAIT_POLICY=PASSIVE (see its docstring)
+from server.app import RETRY_AFTER_S, ServerState, create_app
+from server.logs import setup_logging
+from server.settings import Settings, resolve_settings
 
 log = logging.getLogger("dflash.server")
-GRACEFUL_SHUTDOWN_S = 30
+FLUSH_S = 5.0  # after the shutdown timeout: time for failed requests' last bytes, then for uvicorn to close
+DRAIN_POLL_S = 0.05
+OPEN_FILES_SLACK = 256  # file descriptors beyond the connections: model files, pipes, the event loop
+# Hub ids look like "name" or "org/name"; a path with more parts, or starting with "/", "." or "~", is a path.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+# --- start-up checks -----------------------------------------------------------------------------------------
+
+
+def _is_hub_id(value: str) -> bool:
+    return bool(_HUB_ID.match(value)) and ".." not in value and "--" not in value
+
+
+def _device_problem(device: str) -> str | None:
+    name = device.strip().lower()
+    if name in ("", "auto", "cpu"):
+        return None
+    import torch
+
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        return f"--device {device!r} is not a device; use auto, cpu, cuda or cuda:N"
+    if dev.type != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+        return f"--device {device}: CUDA is not available ({why}; torch {torch.__version__})"
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        return f"--device {device}: there are only {count} CUDA device(s) (cuda:0..cuda:{count - 1})"
+    return None
+
+
+def preflight(settings: Settings) -> str | None:
+    """The first mistake that needs no model to find (a path that is not there, CUDA that is not), or None."""
+    for name in ("target", "draft", "tokenizer"):
+        value = getattr(settings, name)
+        if value is None or (name == "draft" and not settings.speculative):
+            continue
+        if not Path(value).expanduser().exists() and not _is_hub_id(value):
+            return f"--{name} {value}: no such folder (and not a hub id such as 'org/name')"
+    return _device_problem(settings.device)
+
+
+def _raise_open_files_limit(connections: int) -> None:
+    """Lift the soft RLIMIT_NOFILE so that ``connections`` sockets fit (accept() fails with EMFILE otherwise)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not on POSIX
+        return
+    wanted = connections + OPEN_FILES_SLACK
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return
+    new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if new > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        except (ValueError, OSError):
+            new = soft
+    if new < wanted:
+        log.warning(
+            "the open-file limit (%d) is below limit_concurrency + %d (%d): raise it (ulimit -n) or lower "
+            "--limit-concurrency",
+            new,
+            OPEN_FILES_SLACK,
+            wanted,
+        )
+
+
+# --- connections ---------------------------------------------------------------------------------------------
+
+
+class _HeaderTimeout:
+    """Mixin for uvicorn's HTTP protocol: close a connection whose request headers are late.
+
+    The timer starts when the connection opens and again when a response is complete; it is moot once a
+    request's headers have arrived (uvicorn then starts a new request cycle). uvicorn's keep-alive timer is
+    cancelled by any byte received, so without this a client that trickles a header forever holds a connection.
+    """
+
+    header_timeout: float = 10.0
+    _dflash_timer: asyncio.TimerHandle | None = None
+    _dflash_cycle: Any = None
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._dflash_arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # type: ignore[misc]
+        self._dflash_arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._dflash_disarm()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def _dflash_disarm(self) -> None:
+        if self._dflash_timer is not None:
+            self._dflash_timer.cancel()
+            self._dflash_timer = None
+
+    def _dflash_arm(self) -> None:
+        self._dflash_disarm()
+        transport = self.transport  # type: ignore[attr-defined]
+        if transport is None or transport.is_closing():
+            return
+        self._dflash_cycle = self.cycle  # type: ignore[attr-defined]
+        self._dflash_timer = self.loop.call_later(self.header_timeout, self._dflash_expired)  # type: ignore
+
+    def _dflash_expired(self) -> None:
+        self._dflash_timer = None
+        cycle = self.cycle  # type: ignore[attr-defined]
+        idle = cycle is self._dflash_cycle and (cycle is None or cycle.response_complete)
+        transport = self.transport  # type: ignore[attr-defined]
+        if idle and not transport.is_closing():
+            log.debug("closing a connection that sent no request headers within %.1f s", self.header_timeout)
+            transport.close()
+
+
+def http_protocol(header_timeout: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol (httptools, else h11) with the request-header timeout."""
+    return type("DflashHTTPProtocol", (_HeaderTimeout, AutoHTTPProtocol), {"header_timeout": header_timeout})
+
+
+class ConnectionLimit:
+    """ASGI middleware: beyond ``limit`` open connections or requests in progress, a fast 503 envelope.
+
+    Like uvicorn's ``limit_concurrency`` (idle keep-alive connections count), but the answer is the OpenAI error
+    envelope with ``Retry-After`` and ``Connection: close``, and the limit admits ``limit`` connections.
+    """
+
+    def __init__(self, app: Any, limit: int, uvicorn_state: Callable[[], UvicornState]) -> None:
+        self.app = app
+        self.limit = limit
+        self._uvicorn_state = uvicorn_state
+        self._refused = 0
+        self._last_warning = 0.0
+        body = {
+            "error": {
+                "message": f"too many connections (limit {limit}); retry later",
+                "type": "service_unavailable",
+                "param": None,
+                "code": "too_many_connections",
+            }
+        }
+        self._body = json.dumps(body).encode()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            st = self._uvicorn_state()
+            if len(st.connections) > self.limit or len(st.tasks) > self.limit:
+                self._warn(len(st.connections))
+                headers = [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(self._body)).encode()),
+                    (b"retry-after", str(RETRY_AFTER_S).encode()),
+                    (b"connection", b"close"),
+                ]
+                await send({"type": "http.response.start", "status": 503, "headers": headers})
+                await send({"type": "http.response.body", "body": self._body})
+                return
+        await self.app(scope, receive, send)
+
+    def _warn(self, connections: int) -> None:
+        """One warning per 5 s at most (a flood must not flood the log too)."""
+        self._refused += 1
+        now = time.monotonic()
+        if now - self._last_warning >= 5.0:
+            log.warning(
+                "connection limit %d reached (%d open): refused %d request(s) with 503",
+                self.limit,
+                connections,
+                self._refused,
+            )
+            self._last_warning = now
+            self._refused = 0
+
+
+# --- shutdown ------------------------------------------------------------------------------------------------
+
+
+def _exit_now(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM / SIGINT while draining (a second signal), or before / after uvicorn serves: exit at once."""
+    log.warning("%s: exiting now, without draining", signal.Signals(signum).name)
+    for handler in logging.getLogger().handlers:
+        try:
+            handler.flush()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    os._exit(128 + signum)
+
+
+class DflashServer(uvicorn.Server):
+    """uvicorn's server with a drain on the first SIGTERM / SIGINT and an immediate exit on the second."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.shutdown_timeout = shutdown_timeout
+        self._signal: int | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """Signal handler (main thread): start draining; a second signal exits at once."""
+        if self._signal is not None:
+            _exit_now(sig, frame)
+        self._signal = sig  # on_tick starts the drain on the event loop
+
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn's 0.1 s tick: start the drain once a signal came."""
+        if self._signal is not None and self._drain_task is None:
+            self._drain_task = asyncio.create_task(self._drain(self._signal))
+        return await super().on_tick(counter)
+
+    async def _drain(self, sig: int) -> None:
+        try:
+            await self._drain_requests(sig)
+        except Exception:
+            log.exception("draining failed")
+        finally:
+            self.should_exit = True
+
+    async def _drain_requests(self, sig: int) -> None:
+        state = self.state
+        state.draining = True  # from now on _check_ready refuses and /health answers 503
+        loop = asyncio.get_running_loop()
+        pending = {t for t in self.server_state.tasks if not t.done()}
+
+        def busy() -> bool:
+            nonlocal pending
+            pending = {t for t in pending if not t.done()}
+            return bool(pending) or (state.worker is not None and state.worker.in_flight > 0)
+
+        log.info(
+            "%s: draining: new requests get 503; waiting up to %g s for %d request(s) in progress "
+            "(send the signal again to exit at once)",
+            signal.Signals(sig).name,
+            self.shutdown_timeout,
+            len(pending),
+        )
+        deadline = loop.time() + self.shutdown_timeout
+        while busy() and loop.time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        worker = state.worker
+        if busy():
+            log.warning(
+                "shutdown timeout (%g s) passed: ending %d request(s) with a 503 / an error event",
+                self.shutdown_timeout,
+                worker.in_flight if worker is not None else 0,
+            )
+        if worker is not None:
+            worker.fail_all()  # also answers requests still being prepared, once they reach the worker
+        deadline = loop.time() + FLUSH_S
+        while busy() and loop.time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        log.info("drained: shutting down")
+
+
+def _wants_json(argv: Sequence[str]) -> bool:
+    """Whether --log-json was asked for, read from the raw flags and environment (the settings did not parse)."""
+    flags = [a for a in argv if a in ("--log-json", "--no-log-json")]
+    if flags:
+        return flags[-1] == "--log-json"
+    return os.environ.get("DFLASH_LOG_JSON", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+# --- main ----------------------------------------------------------------------------------------------------
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the server until SIGTERM / SIGINT; 0 after a clean shutdown, 1 when the models fail to load."""
+    """Run the server until SIGTERM / SIGINT: 0 after a drain, 1 when the models cannot load, 2 on bad settings."""
+    # Until uvicorn runs, a signal ends the process at once (as PID 1 in a container, an unhandled SIGTERM
+    # would be ignored).
+    signal.signal(signal.SIGTERM, _exit_now)
+    signal.signal(signal.SIGINT, _exit_now)
     try:
         settings: Settings = resolve_settings(argv)
     except (ValueError, TypeError, OSError) as e:
-        build_parser().error(str(e))
+        message = " ".join(str(e).split())
+        if _wants_json(sys.argv[1:] if argv is None else argv):
+            setup_logging("info", json_format=True)
+            log.error("invalid settings: %s", message)
+        else:
+            print(f"dflash-serve: error: {message}", file=sys.stderr)
+        return 2
     setup_logging(settings.log_level, settings.log_json)
     log.info("settings: %s", settings.public_dict())
+    problem = preflight(settings)
+    if problem is not None:
+        log.error("%s", problem)
+        return 1
+    _raise_open_files_limit(settings.limit_concurrency)
 
     failed: list[str] = []
-    server: uvicorn.Server | None = None
+    server: DflashServer | None = None
 
-    def on_load_error(message: str) -> None:
+    def on_load_error(message: str) -> None:  # logged by the app, in one line
         failed.append(message)
         if server is not None:
             server.should_exit = True
 
     app = create_app(settings, on_load_error=on_load_error)
     config = uvicorn.Config(
-        app,
+        ConnectionLimit(app, settings.limit_concurrency, lambda: server.server_state),  # type: ignore[union-attr]
         host=settings.host,
         port=settings.port,
+        http=http_protocol(settings.header_timeout),
         log_config=None,
         log_level=settings.log_level.lower(),
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_keep_alive=settings.keep_alive_timeout,  # type: ignore[arg-type]  # a float works
+        timeout_graceful_shutdown=int(FLUSH_S),
         access_log=settings.log_level.lower() == "debug",
     )
-    server = uvicorn.Server(config)
-
-    # uvicorn drains in-flight requests on SIGTERM / SIGINT, then re-raises the signal once it is done;
-    # a drained server exits 0, so the re-raised signal is ignored.
-    def _drained(signum: int, frame: Any) -> None:
-        log.info("shut down after signal %d", signum)
-
-    signal.signal(signal.SIGTERM, _drained)
-    signal.signal(signal.SIGINT, _drained)
-    server.run()
-    if failed:
-        log.error("exiting: %s", failed[0])
-        return 1
-    return 0
+    server = DflashServer(config, app.state.dflash, settings.shutdown_timeout)
+    server.run()  # installs DflashServer.handle_exit while it serves, then restores _exit_now
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -3,6 +3,18 @@
 Routes validate and tokenize, hand ``RequestHandle`` objects to the worker thread, and turn the
 ``WorkerEvent`` objects that come back into OpenAI responses or SSE chunks. Nothing here touches a
 tensor; models are loaded in a background thread so that ``/health`` answers 503 meanwhile.
+
+The POST routes take ``application/json`` only (415 otherwise: a browser form cannot post to them). Bodies are
+parsed in place when cheap and in a helper process otherwise (``server.parsing``), so that no body stalls the
+event loop or the engine; tokenization runs in a thread pool, long texts at most ``TOKENIZE_CONCURRENCY`` at
+once, after a cheap check that refuses text that cannot fit the context (``server.prompts``).
+
+Streams send their headers and a ``: ping`` comment at once (after ``STREAM_HEADERS_GRACE_S`` at most, during
+which an early failure is still a plain HTTP error), then one ``data:`` event per engine step, a comment every
+``sse_ping_interval`` seconds while quiet (queued, prefilling) so that idle-timeout proxies keep the connection,
+and ``data: [DONE]``. Errors after the headers are an error event followed by ``data: [DONE]``.
+
+Internal errors (500) carry a generic message with the request id; the details go to the log.
 """
 
 from __future__ import annotations
@@ -11,6 +23,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -18,19 +31,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette.sse import AppStatus
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dflash_core.loading import DEMO_TARGET, LoadedModels, load_models
+from dflash_core.loading import DEMO_DRAFT, DEMO_TARGET, LoadedModels, load_models
 from dflash_core.sampling import SamplingParams
 from server import __version__
 from server.detokenize import TokenStrings
 from server.metrics import ServerMetrics
+from server.parsing import Limiter, ParsePool
+from server.prompts import PromptBuilder
 from server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -38,8 +54,9 @@ from server.protocol import (
     error_body,
     new_id,
     now_ts,
+    request_schemas,
+    resolve_max_tokens,
     usage_dict,
-    validation_error_to_api,
 )
 from server.settings import Settings
 from server.worker import QueueFullError, RequestHandle, SpecSummary, Worker, WorkerEvent
@@ -49,24 +66,14 @@ log = logging.getLogger("dflash.server")
 MAX_BODY_BYTES = 8 * 1024 * 1024
 DRAIN_BODY_BYTES = 64 * 1024 * 1024  # beyond the limit, read (and drop) this much so the client sees the 413
 RETRY_AFTER_S = 1
+SSE_PING_S = 15.0  # keep-alive comment interval of quiet streams, unless settings.sse_ping_interval says otherwise
+STREAM_HEADERS_GRACE_S = 0.1  # a stream waits this long for its first event before it sends its headers
+TOKENIZE_LIMIT_CHARS = 32 * 1024  # prompts longer than this take one of TOKENIZE_CONCURRENCY slots
+TOKENIZE_CONCURRENCY = max(2, min(8, (os.cpu_count() or 2) // 2))
+TOKENIZE_MAX_WAITING = 256  # long prompts waiting for a slot beyond which a 429 answers
 _CLIENT_GONE = APIError(499, "client disconnected", code="client_closed_request")
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    {
-        "conversation",
-        "messages",
-        "tokenize",
-        "return_tensors",
-        "return_dict",
-        "return_assistant_tokens_mask",
-        "padding",
-        "truncation",
-        "max_length",
-        "tools",
-        "documents",
-        "chat_template",
-        "tokenizer_kwargs",
-    }
-)
+_PING = b": ping\n\n"
+_JSON_TYPES = ("application/json",)
 
 
 @dataclass
@@ -78,8 +85,14 @@ class ServerState:
     worker: Worker | None = None
     metrics: ServerMetrics | None = None
     token_strings: TokenStrings | None = None
+    prompts: PromptBuilder | None = None
     served_model_name: str = ""
     load_error: str | None = None
+    parser: ParsePool = field(default_factory=ParsePool)
+    tokenize_limiter: Limiter = field(
+        default_factory=lambda: Limiter(TOKENIZE_CONCURRENCY, TOKENIZE_MAX_WAITING, "long prompts")
+    )
+    draining: bool = False  # set on SIGTERM (server.__main__): new requests get 503, /health 503
     created: int = field(default_factory=now_ts)
 
     @property
@@ -93,13 +106,16 @@ class ServerState:
         self.served_model_name = s.served_model_name or default_model_name(models.target_name)
         self.metrics = ServerMetrics(
             block_size=models.block_size,
-            target=models.target_name,
-            draft=models.draft_name or "",
+            target=display_name(models.target_name),
+            draft=display_name(models.draft_name),
             device=models.device,
             backend=models.backend,
             max_model_len=models.engine.max_model_len,
         )
         self.token_strings = TokenStrings(models.tokenizer)
+        self.prompts = PromptBuilder(
+            models.tokenizer, models.engine.max_model_len, allow_special_tokens=s.allow_special_tokens
+        )
         worker = Worker(
             models.engine,
             models.tokenizer,
@@ -141,10 +157,26 @@ class ServerState:
             )
             self.install(models)
         except Exception as e:
-            log.exception("loading the models failed")
-            self.load_error = f"{type(e).__name__}: {e}"
+            self.load_error = " ".join(f"{type(e).__name__}: {e}".split())  # one line
+            # one clear line; the traceback only with --log-level debug
+            log.error("loading the models failed: %s", self.load_error, exc_info=log.isEnabledFor(logging.DEBUG))
             if on_error is not None:
                 on_error(self.load_error)
+
+
+def display_name(name: str | None) -> str:
+    """A model's name for metrics and /v1/models: the folder's name (not its path) or the hub id."""
+    if not name:
+        return ""
+    path = Path(name).expanduser()
+    if not path.exists():  # a hub id ("org/name"), or a path that has gone: its last part
+        return path.name if name.startswith(("/", ".", "~")) or name.count("/") > 1 else name
+    resolved = path.resolve()
+    if resolved == DEMO_TARGET.resolve():
+        return "dflash-demo"
+    if resolved == DEMO_DRAFT.resolve():
+        return "dflash-demo-draft"
+    return resolved.name
 
 
 def default_model_name(target: str) -> str:
@@ -172,14 +204,38 @@ def create_app(
                 target=state.load, args=(on_load_error,), name="dflash-load", daemon=True
             ).start()
         yield
+        await state.parser.close()
         if state.worker is not None:
             await run_in_threadpool(state.worker.stop)
 
+    # sse-starlette would cancel every stream as soon as uvicorn is asked to exit; server.__main__ drains them.
+    if hasattr(AppStatus, "disable_automatic_graceful_drain"):
+        AppStatus.disable_automatic_graceful_drain()
     app = FastAPI(title="dflash-serve", version=__version__, lifespan=lifespan)
     app.state.dflash = state
     _install_error_handlers(app)
     _install_routes(app, state)
+    _install_openapi(app)
     return app
+
+
+def _install_openapi(app: FastAPI) -> None:
+    """The OpenAPI document with the request body schemas (the routes read their raw bodies themselves)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(request_schemas())
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _body_schema(model: str) -> dict[str, Any]:
+    """``openapi_extra`` of a route whose JSON body is ``model``."""
+    ref = {"$ref": f"#/components/schemas/{model}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
 # --- errors -----------------------------------------------------------------------------------------------
@@ -207,10 +263,27 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(
-            error_body(f"internal server error: {type(e).__name__}", "server_error"), status_code=500
-        )
+        rid = _request_id(request)
+        log.error("request %s: unhandled error on %s %s", rid, request.method, request.url.path, exc_info=e)
+        return _error_response(_internal(rid))
+
+
+def _request_id(request: Request) -> str:
+    """The id of this request in logs and 500 messages (the response id once a route has made one)."""
+    rid = getattr(request.state, "request_id", None)
+    if rid is None:
+        rid = request.state.request_id = new_id("req")
+    return rid
+
+
+def _internal(rid: str) -> APIError:
+    """The 500 a client sees: no internal detail, the request id to find it in the log."""
+    return APIError(
+        500,
+        f"internal server error (request id {rid})",
+        type="server_error",
+        headers={"X-Request-Id": rid},
+    )
 
 
 def _check_auth(state: ServerState, request: Request) -> None:
@@ -224,10 +297,43 @@ def _check_auth(state: ServerState, request: Request) -> None:
             "invalid or missing API key (send 'Authorization: Bearer <key>')",
             type="authentication_error",
             code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
         )
 
 
+async def _check_content_type(request: Request) -> None:
+    """415 unless the body is declared ``application/json`` (charset, if given, utf-8)."""
+    raw = request.headers.get("content-type")
+    media, *params = (raw or "").split(";")
+    ok = media.strip().lower() in _JSON_TYPES
+    for param in params:
+        key, _, value = param.partition("=")
+        if key.strip().lower() == "charset" and value.strip().strip('"').lower() not in ("utf-8", "utf8"):
+            ok = False
+    if ok:
+        return
+    try:
+        await _read_body(request)  # read (and drop) what was sent, so that the client sees the answer
+    except APIError:
+        pass
+    got = f"got {raw!r}" if raw else "none given"
+    raise APIError(
+        415,
+        f"Content-Type must be application/json ({got})",
+        param="Content-Type",
+        code="unsupported_media_type",
+    )
+
+
 def _check_ready(state: ServerState) -> tuple[LoadedModels, Worker]:
+    if state.draining:
+        raise APIError(
+            503,
+            "server is shutting down",
+            type="service_unavailable",
+            code="shutting_down",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
     if state.models is None or state.worker is None or not state.worker.is_alive():
         message = f"model failed to load: {state.load_error}" if state.load_error else "model is loading"
         raise APIError(
@@ -258,15 +364,6 @@ async def _read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-def _parse(model: type[BaseModel], body: bytes) -> Any:
-    if not body.strip():
-        raise APIError(400, "request body is empty; expected a JSON object")
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as e:
-        raise validation_error_to_api(e) from None
-
-
 def _check_model(state: ServerState, name: str) -> None:
     if name != state.served_model_name:
         raise APIError(
@@ -280,66 +377,12 @@ def _check_model(state: ServerState, name: str) -> None:
 # --- request preparation -----------------------------------------------------------------------------------
 
 
-def _chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
-    """Render the chat template and tokenize (runs in a thread pool)."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-    kwargs = dict(req.chat_template_kwargs or {})
-    bad = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
-    if bad:
-        raise APIError(
-            400, f"chat_template_kwargs may not set {', '.join(bad)}", param="chat_template_kwargs"
-        )
-    kwargs.setdefault("add_generation_prompt", True)
-    messages = []
-    for m in req.messages:
-        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-        if m.name is not None:
-            msg["name"] = m.name
-        messages.append(msg)
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
-    except (jinja2.TemplateError, TypeError, ValueError, KeyError) as e:  # e.g. roles that do not alternate
-        raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _completion_prompts(tokenizer: Any, req: CompletionRequest, vocab_size: int) -> list[list[int]]:
-    """Tokenize each prompt of a completion request (runs in a thread pool)."""
-    out = []
-    for p in req.prompts():
-        if isinstance(p, str):
-            out.append(list(tokenizer(p)["input_ids"]))
-        else:
-            if any(t < 0 or t >= vocab_size for t in p):
-                raise APIError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
-            out.append(list(p))
-    return out
-
-
-def _max_tokens(requested: int | None, prompt_len: int, max_model_len: int, prompt_param: str) -> int:
-    if prompt_len == 0:
-        raise APIError(400, "the prompt is empty", param=prompt_param)
-    if requested is None:
-        if prompt_len >= max_model_len:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {max_model_len} tokens. However, your "
-                f"prompt is {prompt_len} tokens, leaving no room for a completion.",
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
-        return max_model_len - prompt_len
-    if prompt_len + requested > max_model_len:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} "
-            f"for the completion). Please reduce the prompt or max_tokens.",
-            param="max_tokens",
-            code="context_length_exceeded",
-        )
-    return requested
+async def _prepare(state: ServerState, size: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run tokenization ``fn(*args)`` in the thread pool; a prompt over TOKENIZE_LIMIT_CHARS takes a slot."""
+    if size <= TOKENIZE_LIMIT_CHARS:
+        return await run_in_threadpool(fn, *args)
+    async with state.tokenize_limiter:
+        return await run_in_threadpool(fn, *args)
 
 
 def _sampling(
@@ -457,8 +500,12 @@ def _start_run(
         ) from None
 
 
-def _event_error(ev: WorkerEvent) -> APIError:
+def _event_error(ev: WorkerEvent, rid: str) -> APIError:
+    """The APIError of a failed request (a 500's detail goes to the log, not to the client)."""
     assert ev.error is not None
+    if ev.error.status == 500:
+        log.error("request %s failed: %s", rid, ev.error.message)
+        return _internal(rid)
     return APIError(ev.error.status, ev.error.message, type=ev.error.type)
 
 
@@ -475,9 +522,13 @@ class _Choice:
     text_offset: int = 0
 
 
-def _sse(obj: dict[str, Any] | str) -> str:
+def _sse(obj: dict[str, Any] | str) -> bytes:
     data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {data}\n\n"
+    return f"data: {data}\n\n".encode()
+
+
+def _ping() -> ServerSentEvent:
+    return ServerSentEvent(comment="ping", sep="\n")
 
 
 # --- routes ------------------------------------------------------------------------------------------------
@@ -486,6 +537,8 @@ def _sse(obj: dict[str, Any] | str) -> str:
 def _install_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         if state.ready:
             w = state.worker
             assert w is not None
@@ -518,45 +571,63 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
                     "object": "model",
                     "created": state.created,
                     "owned_by": "dflash-serve",
-                    "root": models.target_name,
+                    "root": display_name(models.target_name),
                     "max_model_len": models.engine.max_model_len,
-                    "dflash": {"draft": models.draft_name, "block_size": models.block_size},
+                    "dflash": {"draft": display_name(models.draft_name) or None, "block_size": models.block_size},
                 }
             ],
         }
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema("ChatCompletionRequest"))
     async def chat_completions(request: Request) -> Response:
+        rid = request.state.request_id = new_id("chatcmpl")
         _check_auth(state, request)
+        await _check_content_type(request)
         models, worker = _check_ready(state)
-        req: ChatCompletionRequest = _parse(ChatCompletionRequest, await _read_body(request))
+        max_model_len = models.engine.max_model_len
+        req = await state.parser.parse("chat", await _read_body(request), max_model_len)
+        assert isinstance(req, ChatCompletionRequest) and state.prompts is not None
         _check_model(state, req.model)
-        prompt = await run_in_threadpool(_chat_prompt, models.tokenizer, req)
-        max_tokens = _max_tokens(
-            req.requested_max_tokens(), len(prompt), models.engine.max_model_len, "messages"
-        )
+        size = sum(len(m.text()) for m in req.messages)
+        prompt = await _prepare(state, size, state.prompts.chat, req)
+        max_tokens = resolve_max_tokens(req.requested_max_tokens(), len(prompt), max_model_len, "messages")
         params = [_sampling(req, max_tokens, req.num_logprobs(), i) for i in range(req.n)]
-        rid = new_id("chatcmpl")
         run = _start_run(worker, request, rid, [prompt], [params], req.stop_list())
         return await _respond(state, run, rid, req, kind="chat", prompt_tokens=len(prompt))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_schema("CompletionRequest"))
     async def completions(request: Request) -> Response:
+        rid = request.state.request_id = new_id("cmpl")
         _check_auth(state, request)
+        await _check_content_type(request)
         models, worker = _check_ready(state)
-        req: CompletionRequest = _parse(CompletionRequest, await _read_body(request))
+        max_model_len = models.engine.max_model_len
+        req = await state.parser.parse("completion", await _read_body(request), max_model_len)
+        assert isinstance(req, CompletionRequest) and state.prompts is not None
         _check_model(state, req.model)
-        vocab = len(models.tokenizer)
-        prompts = await run_in_threadpool(_completion_prompts, models.tokenizer, req, vocab)
+        size = sum(len(p) for p in req.prompts() if isinstance(p, str))
+        prompts = await _prepare(state, size, state.prompts.completions, req)
         params = []
         for prompt in prompts:
-            max_tokens = _max_tokens(req.max_tokens, len(prompt), models.engine.max_model_len, "prompt")
+            max_tokens = resolve_max_tokens(req.max_tokens, len(prompt), max_model_len, "prompt")
             params.append([_sampling(req, max_tokens, req.logprobs, i) for i in range(req.n)])
-        rid = new_id("cmpl")
         run = _start_run(worker, request, rid, prompts, params, req.stop_list())
         return await _respond(
             state, run, rid, req, kind="completion", prompt_tokens=sum(len(p) for p in prompts)
         )
+
+
+async def _first_event(run: _Run, timeout: float | None) -> WorkerEvent | None:
+    """The first event, left in place (None when it has not come within ``timeout`` seconds)."""
+    try:
+        if timeout is None:
+            return await run.peek()
+        return await asyncio.wait_for(run.peek(), timeout)
+    except TimeoutError:
+        return None
+    except BaseException:
+        run.close()
+        raise
 
 
 async def _respond(
@@ -567,31 +638,29 @@ async def _respond(
     kind: str,
     prompt_tokens: int,
 ) -> Response:
-    """Wait for the first event (so an early failure is a plain HTTP error), then answer or stream."""
-    try:
-        first = await run.peek()
-    except BaseException:
+    """Answer or stream; a failure that comes before the response starts is a plain HTTP error."""
+    first = await _first_event(run, STREAM_HEADERS_GRACE_S if req.stream else None)
+    if first is not None and first.error is not None:
         run.close()
-        raise
-    if first.error is not None:
-        run.close()
-        return _error_response(_event_error(first))
-    if first.finish_reason == "abort":  # the client left while the request was queued
+        return _error_response(_event_error(first, rid))
+    if first is not None and first.finish_reason == "abort":  # the client left while the request was queued
         run.close()
         return _error_response(_CLIENT_GONE)
     fmt = _Formatter(state, rid, kind, req)
     if req.stream:
-        return StreamingResponse(
-            _stream(run, fmt, req.include_usage(), prompt_tokens),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        return EventSourceResponse(
+            _stream(run, fmt, rid, req.include_usage(), prompt_tokens, announce=first is None),
+            headers={"Cache-Control": "no-cache"},
+            ping=getattr(state.settings, "sse_ping_interval", SSE_PING_S),
+            sep="\n",
+            ping_message_factory=_ping,
         )
     choices: dict[int, _Choice] = {h.index: _Choice() for h in run.handles}
     try:
         while run.open:
             ev = await run.next()
             if ev.error is not None:
-                return _error_response(_event_error(ev))
+                return _error_response(_event_error(ev, rid))
             fmt.accumulate(choices[ev.index], ev)
     finally:
         run.close()
@@ -600,25 +669,34 @@ async def _respond(
     return JSONResponse(fmt.final(choices, prompt_tokens))
 
 
-async def _stream(run: _Run, fmt: _Formatter, include_usage: bool, prompt_tokens: int) -> AsyncIterator[str]:
+async def _stream(
+    run: _Run, fmt: _Formatter, rid: str, include_usage: bool, prompt_tokens: int, announce: bool
+) -> AsyncIterator[bytes]:
+    """The SSE body: ``announce`` sends a comment first (headers and first bytes now, while queued)."""
     choices: dict[int, _Choice] = {h.index: _Choice() for h in run.handles}
     try:
+        if announce:
+            yield _PING
+        failed = False
         while run.open:
             ev = await run.next()
             if ev.error is not None:
-                yield _sse(_event_error(ev).body())
+                yield _sse(_event_error(ev, rid).body())
+                failed = True
                 break
             if ev.finish_reason == "abort":  # the client is gone
                 return
             chunk = fmt.chunk(choices[ev.index], ev)
             if chunk is not None:
                 yield _sse(chunk)
-        else:
-            if include_usage:
-                yield _sse(fmt.usage_chunk(choices, prompt_tokens))
-        yield _sse("[DONE]")
+        if include_usage and not failed:
+            yield _sse(fmt.usage_chunk(choices, prompt_tokens))
+    except Exception as e:  # a bug here must end the stream properly, without details
+        log.error("request %s: stream failed", rid, exc_info=e)
+        yield _sse(_internal(rid).body())
     finally:
         run.close()
+    yield _sse("[DONE]")
 
 
 class _Formatter:

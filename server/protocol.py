@@ -13,6 +13,7 @@ draft), ``num_draft_tokens``, ``num_accepted_tokens`` and ``mean_acceptance_leng
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from typing import Any, Literal
@@ -49,6 +50,16 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         """The JSON body ``{"error": {...}}``."""
         return error_body(self.message, self.type, self.param, self.code)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Picklable (a parse helper process sends it back to the server)."""
+        return (_rebuild_api_error, (self.status, self.message, self.type, self.param, self.code, self.headers))
+
+
+def _rebuild_api_error(
+    status: int, message: str, type: str, param: str | None, code: str | None, headers: dict[str, str]
+) -> APIError:
+    return APIError(status, message, type=type, param=param, code=code, headers=headers)
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -296,6 +307,96 @@ def validation_error_to_api(e: ValidationError) -> APIError:
 
 def _is_union_tag(x: Any) -> bool:
     return isinstance(x, str) and ("[" in x or x in {"str", "int", "float", "bool", "list", "dict"})
+
+
+REQUEST_MODELS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
+    "chat": ChatCompletionRequest,
+    "completion": CompletionRequest,
+}
+
+
+def parse_request(
+    kind: str, body: bytes, max_model_len: int | None = None
+) -> ChatCompletionRequest | CompletionRequest:
+    """Parse and validate a JSON body (``kind``: "chat" or "completion"); APIError 400 on any problem.
+
+    With ``max_model_len``, token-id prompts that cannot fit the context are refused here as well, so that a
+    parse helper process never sends millions of token ids back only for them to be refused.
+    """
+    if not body.strip():
+        raise APIError(400, "request body is empty; expected a JSON object")
+    try:
+        req = REQUEST_MODELS[kind].model_validate_json(body)
+    except ValidationError as e:
+        raise validation_error_to_api(e) from None
+    if max_model_len is not None and isinstance(req, CompletionRequest):
+        for p in req.prompts():
+            if not isinstance(p, str):
+                resolve_max_tokens(req.max_tokens, len(p), max_model_len, "prompt")
+    return req
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, prompt_param: str) -> int:
+    """The completion budget of a prompt of ``prompt_len`` tokens (400 ``context_length_exceeded`` if none)."""
+    if prompt_len == 0:
+        raise APIError(400, "the prompt is empty", param=prompt_param)
+    if requested is None:
+        if prompt_len >= max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {max_model_len} tokens. However, your "
+                f"prompt is {prompt_len} tokens, leaving no room for a completion.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        return max_model_len - prompt_len
+    if prompt_len + requested > max_model_len:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} "
+            f"for the completion). Please reduce the prompt or max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def check_min_prompt_tokens(
+    min_tokens: int, chars: int, requested: int | None, max_model_len: int, prompt_param: str
+) -> None:
+    """Refuse, before tokenizing, a prompt of at least ``min_tokens`` tokens that cannot fit the context.
+
+    The same rule as ``resolve_max_tokens``, applied to a lower bound of the prompt's length.
+    """
+    fits = min_tokens < max_model_len if requested is None else min_tokens + requested <= max_model_len
+    if fits:
+        return
+    raise APIError(
+        400,
+        f"This model's maximum context length is {max_model_len} tokens. However, your prompt has {chars} "
+        f"characters, which is at least {min_tokens} tokens"
+        + (f", plus {requested} for the completion" if requested is not None else "")
+        + ". Please reduce the prompt"
+        + (" or max_tokens." if requested is not None else "."),
+        param=prompt_param,
+        code="context_length_exceeded",
+    )
+
+
+def min_tokens_for(chars: int, max_chars_per_token: float) -> int:
+    """A lower bound on the tokens of ``chars`` characters when no token covers more than ``max_chars_per_token``."""
+    return math.ceil(chars / max_chars_per_token) if max_chars_per_token > 0 else 0
+
+
+def request_schemas() -> dict[str, Any]:
+    """JSON schemas of the request bodies (and the models they use) for the OpenAPI ``components``."""
+    out: dict[str, Any] = {}
+    for model in REQUEST_MODELS.values():
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        out.update(schema.pop("$defs", {}))
+        out[model.__name__] = schema
+    return out
 
 
 # --- responses ------------------------------------------------------------------------------------------

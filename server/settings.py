@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -50,9 +51,31 @@ class Settings:
     served_model_name: str | None = field(
         default=None, metadata={"help": "model name in the API (default: the target's folder name)"}
     )
-    api_key: str | None = field(default=None, metadata={"help": "require 'Authorization: Bearer KEY' on /v1"})
+    api_key: str | None = field(
+        default=None, metadata={"help": "require 'Authorization: Bearer KEY' on /v1 (default: none, no key needed)"}
+    )
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
-    log_json: bool = field(default=False, metadata={"help": "log one JSON object per line"})
+    log_json: bool = field(
+        default=False, metadata={"help": "log one JSON object per line (progress bars off, warnings as records)"}
+    )
+    limit_concurrency: int = field(default=1024, metadata={
+        "help": "open connections (idle ones count) or requests in progress beyond which a new request gets a "
+                "fast 503 instead of queueing in the kernel"})
+    keep_alive_timeout: float = field(
+        default=5.0, metadata={"help": "seconds an idle keep-alive connection stays open between requests"}
+    )
+    header_timeout: float = field(default=10.0, metadata={
+        "help": "seconds a client has to send a request's headers once connected (or after the previous "
+                "response); slower connections are closed (slow-loris protection)"})
+    shutdown_timeout: float = field(default=30.0, metadata={
+        "help": "on SIGTERM / SIGINT: seconds running requests may take to finish before streams get an error "
+                "event and queued requests a 503 (a second signal exits at once)"})
+    allow_special_tokens: bool = field(default=False, metadata={
+        "help": "tokenize special-token text inside message content as special tokens; off so that user text "
+                "cannot forge turns"})
+    sse_ping_interval: float = field(
+        default=15.0, metadata={"help": "seconds between SSE keep-alive comments on quiet streams"}
+    )
 
     def validate(self) -> None:
         """Raise ValueError on an impossible setting."""
@@ -70,6 +93,13 @@ class Settings:
             raise ValueError(f"log_level must be debug, info, warning, error or critical: {self.log_level!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError("port must be in 0..65535")
+        if self.limit_concurrency < 1:
+            raise ValueError("limit_concurrency must be >= 1")
+        for name in ("keep_alive_timeout", "header_timeout", "sse_ping_interval"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.shutdown_timeout < 0:
+            raise ValueError("shutdown_timeout must be >= 0")
 
     def public_dict(self) -> dict[str, Any]:
         """Settings for logs, the API key masked."""
@@ -118,6 +148,16 @@ def convert(name: str, raw: Any, source: str) -> Any:
             return int(raw)
         except (TypeError, ValueError):
             raise ValueError(f"{source}: '{name}' must be an integer, got {raw!r}") from None
+    if base is float:
+        value = None
+        if not isinstance(raw, bool):
+            try:
+                value = float(raw)
+            except (TypeError, ValueError):
+                pass
+        if value is None or not math.isfinite(value):
+            raise ValueError(f"{source}: '{name}' must be a number, got {raw!r}")
+        return value
     return str(raw)
 
 
@@ -145,7 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for f in fields(Settings):
         flag = "--" + f.name.replace("_", "-")
-        help_text = f"{f.metadata.get('help', '')} (env: {ENV_PREFIX}{f.name.upper()})"
+        help_text = f.metadata.get("help", "")
+        if f.default is not None:  # a None default is described in the help text itself
+            default = ("on" if f.default else "off") if isinstance(f.default, bool) else f.default
+            help_text += f" (default: {default})"
+        help_text = f"{help_text} (env: {ENV_PREFIX}{f.name.upper()})".replace("%", "%%")
         base = _base_type(f.name)
         if base is bool:
             p.add_argument(

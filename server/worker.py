@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dflash.worker")
 IDLE_WAKE_S = 1.0
+SHUTTING_DOWN = "server is shutting down"
 
 
 class QueueFullError(Exception):
@@ -146,6 +147,7 @@ class Worker:
         self._waiting: collections.deque[_Request] = collections.deque()
         self._active: dict[int, _Request] = {}  # engine request id -> request (until released)
         self._by_uid: dict[int, _Request] = {}
+        self._closed: WorkerError | None = None  # set by fail_all: later requests fail at once with it
         self._thread = threading.Thread(target=self._run, name="dflash-worker", daemon=True)
         self.num_running = 0
         self.num_waiting = 0
@@ -170,6 +172,20 @@ class Worker:
     def is_alive(self) -> bool:
         """Whether the worker thread runs."""
         return self._thread.is_alive()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet answered (running, waiting, or on their way in)."""
+        with self._lock:
+            return self._in_system
+
+    def fail_all(self, message: str = SHUTTING_DOWN) -> None:
+        """Answer every request in flight, and every later one, with a 503 (the server is going away).
+
+        Running requests get an error event after the tokens they already have (a stream ends with an error
+        event and ``[DONE]``); waiting ones get only the error (a 503 envelope).
+        """
+        self._inbox.put(("fail_all", WorkerError(503, "service_unavailable", message)))
 
     def submit(self, handles: list[RequestHandle]) -> None:
         """Queue the requests of one HTTP request, all or none (QueueFullError when full)."""
@@ -217,6 +233,9 @@ class Worker:
                 self._add(obj)
             elif kind == "abort":
                 self._abort(obj)
+            elif kind == "fail_all":
+                self._closed = obj
+                self._fail_all(obj)
         self._admit()
         self._publish_queue_state()
         if self._active:
@@ -232,6 +251,9 @@ class Worker:
 
     def _add(self, h: RequestHandle) -> None:
         r = _Request(handle=h, decoder=RequestDecoder(self._tokenizer, h.prompt_token_ids, h.stop))
+        if self._closed is not None:
+            self._fail(r, self._closed)
+            return
         self._by_uid[h.uid] = r
         self._waiting.append(r)
 
@@ -425,16 +447,25 @@ class Worker:
         except Exception:
             log.exception("engine.release(%s) failed", rid)
 
-    def _shutdown(self) -> None:
-        """Abort whatever is still in flight (the server is going away)."""
-        error = WorkerError(503, "server_error", "server is shutting down")
-        for r in list(self._waiting) + list(self._active.values()):
+    def _fail_all(self, error: WorkerError) -> None:
+        """Fail every waiting and running request; running ones are aborted in the engine."""
+        waiting = list(self._waiting)
+        self._waiting.clear()
+        for r in waiting:
             self._fail(r, error)
-        for rid in list(self._active):
+        for rid, r in list(self._active.items()):
+            if r.done:
+                continue
+            self._fail(r, error)
             try:
                 self._engine.abort(rid)
             except Exception:
                 log.exception("engine.abort failed")
-        self._waiting.clear()
+        self._publish_queue_state()
+
+    def _shutdown(self) -> None:
+        """Abort whatever is still in flight (the server is going away)."""
+        self._fail_all(WorkerError(503, "service_unavailable", SHUTTING_DOWN))
         self._active.clear()
+        self._by_uid.clear()
         self._publish_queue_state()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -51,9 +54,16 @@ def make_tokenizer(folder: str | Path, vocab_size: int = 384):
     return fast
 
 
-def make_target(folder: str | Path, arch: str = "qwen3", vocab_size: int = 384, layers: int = 4, seed: int = 0):
-    """A tiny random target with peaked logits (so greedy choices are far from ties), saved to `folder`."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+def make_target(
+    folder: str | Path | None,
+    arch: str = "qwen3",
+    vocab_size: int = 384,
+    layers: int = 4,
+    seed: int = 0,
+):
+    """A tiny random target with peaked logits (so greedy choices are far from ties), saved to `folder` (None: kept
+    in memory only); arch qwen3, llama or qwen2."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     torch.manual_seed(seed)
     common = dict(
@@ -71,9 +81,11 @@ def make_target(folder: str | Path, arch: str = "qwen3", vocab_size: int = 384, 
         pad_token_id=0,
         bos_token_id=None,
     )
-    cfg = Qwen3Config(**common) if arch == "qwen3" else LlamaConfig(**common)
+    configs = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen2": Qwen2Config}
+    cfg = configs[arch](**common)
     model = AutoModelForCausalLM.from_config(cfg)
-    model.save_pretrained(str(folder))
+    if folder is not None:
+        model.save_pretrained(str(folder))
     return model.eval()
 
 
@@ -107,3 +119,66 @@ def make_tiny_pair(tmp_dir: str | Path, arch: str = "qwen3", block_size: int = 1
     make_target(target_dir, arch=arch, vocab_size=vocab)
     make_draft(draft_dir, vocab_size=vocab, block_size=block_size)
     return target_dir, draft_dir
+
+
+@dataclass
+class RecordedState:
+    """A wrapped drafter state, tagged with its request's prompt."""
+
+    inner: Any
+    prompt: tuple[int, ...]
+
+
+@dataclass
+class Proposal:
+    """One proposal a drafter made: for the request with `prompt`, after `last_token` at `position`."""
+
+    prompt: tuple[int, ...]
+    last_token: int
+    position: int
+    tokens: list[int]
+
+
+class RecordingDrafter:
+    """Wraps any Drafter through its public interface and records every proposal it returns to the engine.
+
+    `check(inner_state, last_token, position, n)`, when given, runs before every proposal (an invariant to test).
+    """
+
+    def __init__(self, inner: Any, check: Callable[[Any, int, int, int], None] | None = None) -> None:
+        self.inner = inner
+        self.block_size = inner.block_size
+        self.check = check
+        self.proposals: list[Proposal] = []
+
+    def new_state(self, prompt_token_ids: list[int]) -> RecordedState:
+        return RecordedState(self.inner.new_state(prompt_token_ids), tuple(prompt_token_ids))
+
+    def extend_context(self, state: RecordedState, features: torch.Tensor) -> None:
+        self.inner.extend_context(state.inner, features)
+
+    def propose(self, state: RecordedState, last_token: int, position: int, n: int) -> list[int]:
+        if self.check is not None:
+            self.check(state.inner, last_token, position, n)
+        tokens = list(self.inner.propose(state.inner, last_token, position, n))
+        self.proposals.append(Proposal(state.prompt, last_token, position, tokens))
+        return tokens
+
+    def propose_batch(self, items: list[tuple[RecordedState, int, int, int]]) -> list[list[int]]:
+        batch = getattr(self.inner, "propose_batch", None)
+        inner_items = [(st.inner, last, pos, n) for st, last, pos, n in items]
+        if self.check is not None:
+            for item in inner_items:
+                self.check(*item)
+        outs = batch(inner_items) if batch is not None else [self.inner.propose(*it) for it in inner_items]
+        for (st, last, pos, _), tokens in zip(items, outs):
+            self.proposals.append(Proposal(st.prompt, last, pos, list(tokens)))
+        return outs
+
+    def release(self, state: RecordedState | None) -> None:
+        if state is not None and hasattr(self.inner, "release"):
+            self.inner.release(state.inner)
+
+    def by_prompt(self, prompt: list[int] | tuple[int, ...]) -> list[Proposal]:
+        """The proposals made for one request (prompts are assumed distinct), in order."""
+        return [p for p in self.proposals if p.prompt == tuple(prompt)]

@@ -19,9 +19,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
@@ -171,3 +173,40 @@ def start_server(args: list[str], log: Path, env: dict[str, str] | None = None) 
             stderr=subprocess.STDOUT,
         )
     return ServerProcess(proc, port, log)
+
+
+class InProcessServer:
+    """A uvicorn server for ``app`` in a thread of the test process (for tests that reach into the app)."""
+
+    def __init__(self, app: Any) -> None:
+        import uvicorn
+
+        self.port = free_port()
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_config=None, lifespan="on")
+        )
+        self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> InProcessServer:
+        """Start and wait until /health answers 200."""
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.thread.is_alive():
+                raise RuntimeError("the in-process server stopped")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"in-process server not ready after {timeout_s:.0f} s")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Ask uvicorn to exit and wait for the thread."""
+        self.server.should_exit = True
+        self.thread.join(timeout_s)

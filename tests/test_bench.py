@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +20,7 @@ import pytest
 
 from dflash_core import bench
 from tests.helpers import make_tiny_pair
-from tests.server_fixtures import ServerProcess, free_port, start_server
+from tests.server_fixtures import REPO, ServerProcess, free_port, start_server
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SERVER_START_TIMEOUT_S = 90.0
@@ -117,15 +120,28 @@ def test_serve_tiny_pair(server: ServerProcess, tmp_path: Path, capsys: pytest.C
         "--output-dir",
         str(tmp_path),
         "--no-progress",
+        "--repeats",
+        "2",
+        "--min-duration",
+        "0",
     ]
     assert bench.main(args) == 0
-    assert "TTFT p50/90/99 ms" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "TTFT p50/90/99 ms" in out and "round tok/s min-max" in out and "at least 2 rounds" in out
     data = load_valid(tmp_path / "serve_dflash.json", bench.SERVE_SCHEMA)
     assert data["label"] == "dflash" and data["server"]["dflash"]["block_size"] == 16
+    assert data["config"]["repeats"] == 2 and data["config"]["min_duration_s"] == 0
     assert [lv["concurrency"] for lv in data["levels"]] == [1, 2]
     for lv in data["levels"]:
-        assert lv["completed"] == lv["num_requests"] == 3 and lv["failed"] == 0 and lv["errors"] == []
-        assert lv["output_tokens"] > 0 and lv["output_tokens_per_s"] > 0 and lv["request_throughput"] > 0
+        # two rounds of the same 3 requests
+        assert lv["repeats"] == len(lv["rounds"]) == 2
+        assert lv["completed"] == lv["num_requests"] == 6 and lv["failed"] == 0 and lv["errors"] == []
+        assert [r["completed"] for r in lv["rounds"]] == [3, 3]
+        assert lv["output_tokens"] == sum(r["output_tokens"] for r in lv["rounds"]) > 0
+        assert lv["duration_s"] == pytest.approx(sum(r["duration_s"] for r in lv["rounds"]))
+        assert lv["output_tokens_per_s"] > 0 and lv["request_throughput"] > 0
+        tps = lv["spread"]["output_tokens_per_s"]
+        assert tps["min"] <= lv["output_tokens_per_s"] <= tps["max"] and tps["stdev"] is not None
         assert 0 < lv["ttft_s"]["p50"] <= lv["e2e_latency_s"]["p99"]
         assert lv["dflash"]["num_drafts"] > 0 and lv["mean_acceptance_length"] >= 1.0
     for name in ("serve_dflash_throughput.png", "serve_dflash_latency.png"):
@@ -153,14 +169,213 @@ def test_serve_tiny_pair(server: ServerProcess, tmp_path: Path, capsys: pytest.C
             "spec",
             "--compare",
             str(base_json),
+            "--repeats",
+            "1",
+            "--min-duration",
+            "0.5",
         ]
     )
     assert rc == 0
     assert "spec vs baseline" in capsys.readouterr().out
-    cmp = load_valid(cmp_dir / "serve_spec.json", bench.SERVE_SCHEMA)["comparison"]
+    spec = load_valid(cmp_dir / "serve_spec.json", bench.SERVE_SCHEMA)
+    (lv,) = spec["levels"]  # one round would take well under 0.5 s: the level runs rounds until 0.5 s
+    assert lv["duration_s"] >= 0.5 and lv["repeats"] == len(lv["rounds"]) and lv["num_requests"] == 2 * lv["repeats"]
+    cmp = spec["comparison"]
     assert cmp["baseline_label"] == "baseline" and [c["concurrency"] for c in cmp["levels"]] == [1]
     assert cmp["levels"][0]["output_throughput_speedup"] > 0
     check_png(cmp_dir / "serve_spec_throughput.png")
+
+
+def test_level_spread_and_table() -> None:
+    def req(tokens: int) -> dict:
+        return {"ok": True, "tokens": tokens, "ttft": 0.01, "e2e": 0.1, "itl": [0.01], "tpot": 0.01, "spec": None}
+
+    rounds = [bench._round_result([req(10), req(10)], 1.0), bench._round_result([req(10), req(10)], 0.5)]
+    lv = bench._level_result(2, [req(10)] * 4, 1.5, rounds)
+    assert lv["repeats"] == 2 and lv["output_tokens_per_s"] == pytest.approx(40 / 1.5)
+    assert lv["spread"]["output_tokens_per_s"] == pytest.approx({"min": 20.0, "max": 40.0, "stdev": 14.142135})
+    assert lv["spread"]["request_throughput"]["min"] == 2.0
+    assert bench.spread([5.0]) == {"min": 5.0, "max": 5.0, "stdev": None}
+    result = {
+        "label": "x",
+        "config": {"base_url": "u", "model": "m", "dataset": "d", "max_tokens": 8, "temperature": 0.0,
+                   "repeats": 2, "min_duration_s": 10.0},
+        "levels": [lv],
+    }
+    table = bench.format_serve(result)
+    assert "rounds" in table and "20-40" in table and "14.1" in table and "at least 2 rounds and 10 s" in table
+
+
+def test_serve_defaults_run_levels_long_enough() -> None:
+    args = bench.build_parser().parse_args(["serve", "--base-url", "http://x/v1"])
+    assert args.repeats >= 3 and args.min_duration >= 10
+
+
+def test_compare_rejects_old_schema(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"schema_version": 1, "mode": "serve", "levels": []}))
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    rc = bench.main(["serve", "--base-url", url, "--output-dir", str(tmp_path), "--compare", str(old)])
+    assert rc == 2 and "rerun the baseline" in capsys.readouterr().err
+
+
+def test_help_lists_modes_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    parser = bench.build_parser()
+    text = parser.format_help()
+    lines = text.splitlines()
+    modes = ("offline", "serve", "memory")
+    for mode in modes:
+        (i,) = [i for i, line in enumerate(lines) if line.strip().startswith(mode + " ")]
+        assert lines[i + 1].strip() == "" or lines[i + 1].lstrip().split()[0] in modes, f"the {mode} line wraps"
+    sub = next(a for a in parser._actions if isinstance(a, bench.argparse._SubParsersAction))
+    for name, sp in sub.choices.items():
+        fmt = sp._get_formatter()
+        for action in sp._actions:
+            if not action.option_strings or action.required or action.nargs == 0:
+                continue
+            assert "default" in fmt._get_help_string(action), f"{name} {action.option_strings}: no default shown"
+    assert "(default: 3)" in sub.choices["serve"].format_help()
+
+
+def test_memory_estimate_of_presets(capsys: pytest.CaptureFixture[str]) -> None:
+    est = bench.memory_from_preset(REPO / "configs" / "qwen3-8b.yaml")
+    rows = 8192 + 16 + 1  # max_model_len + B + 1 per slot, 8 slots
+    assert est["target_kv_rows"] == rows and est["max_running_requests"] == 8
+    assert est["target_kv_bytes"] == 2 * 36 * 8 * 128 * 2 * rows * 8  # K and V, 36 layers, 8 KV heads x 128, bf16
+    assert est["target_kv_bytes"] / 1e9 == pytest.approx(9.68, abs=0.01)
+    assert est["draft_kv_bytes"] == 2 * 5 * 8 * 128 * 2 * (rows + 1) * 8
+    # published sizes: Qwen3-8B 8.19 B parameters, its DFlash draft about 1 B
+    assert est["target_params"] / 1e9 == pytest.approx(8.19, abs=0.01)
+    assert est["draft_params"] / 1e9 == pytest.approx(1.05, abs=0.01)
+    assert est["total_bytes"] > 25e9  # not the ~20 GB of the weights alone
+    small = bench.memory_from_preset(REPO / "configs" / "qwen3-4b.yaml")
+    assert small["target_params"] / 1e9 == pytest.approx(4.02, abs=0.01)  # tied embeddings
+    presets = [str(REPO / "configs" / n) for n in ("qwen3-4b.yaml", "qwen3-8b.yaml", "llama3.1-8b.yaml")]
+    assert bench.main(["memory", *presets]) == 0
+    table = capsys.readouterr().out
+    assert table.startswith("| preset |") and "**29.5**" in table and table.count("\n| `") == 3
+    assert bench.main(["memory", str(REPO / "configs" / "demo.yaml")]) == 2
+
+
+def test_memory_estimate_matches_real_models_and_caches(pair: tuple[Path, Path]) -> None:
+    """Parameter counts and KV cache sizes against what the loader really allocates for a local pair."""
+    import torch
+
+    from dflash_core.loading import load_models
+
+    target, draft = pair
+    est = bench.memory_estimate(str(target), str(draft), dtype="float32", max_model_len=64, max_running_requests=3)
+    models = load_models(str(target), str(draft), device="cpu", dtype="float32", max_model_len=64,
+                         max_running_requests=3, backend="native")
+    engine = models.engine
+
+    def params(module: torch.nn.Module) -> int:
+        return sum(p.numel() for p in module.parameters())
+
+    def tensors(obj: object) -> int:
+        return sum(t.nbytes for t in vars(obj).values() if isinstance(t, torch.Tensor))
+
+    assert est["target_params"] == params(engine.target.model)
+    assert est["draft_params"] == params(engine.drafter.draft)
+    assert est["target_kv_bytes"] == tensors(engine.target)
+    assert est["draft_kv_bytes"] == tensors(engine.drafter.slots)
+
+
+def _clean_env(monkeypatch: pytest.MonkeyPatch, home: Path) -> None:
+    monkeypatch.delenv(bench.BENCH_DIR_ENV, raising=False)
+    monkeypatch.setenv("HOME", str(home))
+
+
+def test_output_dir_default_and_env(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _clean_env(monkeypatch, tmp_path / "home")
+    monkeypatch.chdir(tmp_path)
+    assert bench.resolve_output_dir(None) == Path("bench-results") and (tmp_path / "bench-results").is_dir()
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv(bench.BENCH_DIR_ENV, str(tmp_path / "env" / "dir"))
+    assert bench.resolve_output_dir(None) == tmp_path / "env" / "dir" and (tmp_path / "env" / "dir").is_dir()
+    assert bench.resolve_output_dir(tmp_path / "flag") == tmp_path / "flag"  # --output-dir wins
+
+
+def test_output_dir_falls_back_when_cwd_unusable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _clean_env(monkeypatch, tmp_path / "home")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bench-results").write_text("a file, not a folder")  # unusable even for root
+    assert bench.resolve_output_dir(None) == tmp_path / "home" / "bench-results"
+    err = capsys.readouterr().err
+    assert "bench-results is not writable" in err and f"writing results to {tmp_path / 'home'}" in err
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_unwritable_output_dir_is_a_clear_error(
+    how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _clean_env(monkeypatch, tmp_path / "home")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    args = ["serve", "--base-url", f"http://127.0.0.1:{free_port()}/v1", "--no-progress"]
+    if how == "flag":
+        args += ["--output-dir", str(blocker / "out")]
+    else:
+        monkeypatch.setenv(bench.BENCH_DIR_ENV, str(blocker / "out"))
+    assert bench.main(args) == 2
+    err = capsys.readouterr().err
+    # checked before anything is measured: the error names the folder, not the unreachable server
+    assert f"output folder {blocker / 'out'}" in err and "not writable" in err and "cannot list models" not in err
+
+
+def _python_for(user: int | None) -> str | None:
+    """An interpreter `user` can run that imports dflash_core.bench from the checkout: ours, else the system's
+    (bench's command line and output folder need only the standard library)."""
+    kwargs = {} if user is None else {"user": user, "group": user, "extra_groups": []}
+    for exe in (sys.executable, "/usr/bin/python3"):
+        try:
+            res = subprocess.run([exe, "-c", "import sys; assert sys.version_info >= (3, 11)"], cwd="/",
+                                 capture_output=True, timeout=60, **kwargs)
+        except OSError:  # e.g. a venv whose base interpreter is under /root
+            continue
+        if res.returncode == 0:
+            return exe
+    return None
+
+
+def test_default_output_dir_as_container_user() -> None:
+    """The image's case: uid 1000 in a root-owned working folder (/app) falls back to ~/bench-results."""
+    user = 1000 if os.geteuid() == 0 else None
+    exe = _python_for(user)
+    if exe is None:
+        pytest.skip("no Python 3.11+ interpreter that uid 1000 can run")
+    base = Path(tempfile.mkdtemp(prefix="dflash-bench-uid-"))  # not under pytest's 0700 tmp: uid 1000 reads it
+    app, home = base / "app", base / "home"
+    try:
+        base.chmod(0o755)
+        app.mkdir(mode=0o755)
+        home.mkdir()
+        env = {k: v for k, v in os.environ.items() if k != bench.BENCH_DIR_ENV}
+        env.update(HOME=str(home), PYTHONPATH=str(REPO))
+        kwargs: dict = {}
+        if user is not None:
+            os.chown(home, user, user)
+            kwargs = {"user": user, "group": user, "extra_groups": []}
+        else:
+            app.chmod(0o555)
+        res = subprocess.run(
+            [exe, "-m", "dflash_core.bench", "offline", "--dataset", str(base / "missing.jsonl"), "--no-progress"],
+            cwd=app, env=env, capture_output=True, text=True, timeout=120, **kwargs,
+        )
+        # exit 2 for the missing dataset, after choosing the output folder
+        assert res.returncode == 2 and "unknown dataset" in res.stderr, res.stderr
+        assert "PermissionError" not in res.stderr and "Traceback" not in res.stderr, res.stderr
+        assert f"writing results to {home / 'bench-results'}" in res.stderr, res.stderr
+        assert (home / "bench-results").is_dir() and not (app / "bench-results").exists()
+    finally:
+        if app.exists():
+            app.chmod(0o755)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_serve_unreachable_server(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,6 +1,7 @@
 """A real Prometheus scrapes a real dflash server under load; PromQL agrees with what the API returned.
 
-Acceptance test of the metrics issue: `python -m server` on the tiny model pair and `/usr/bin/prometheus`
+Acceptance test of the metrics issue: `python -m server` on the bundled demo pair (a trained draft, so the
+acceptance counters are far from trivial) and `/usr/bin/prometheus`
 (scrape interval 1 s), both on 127.0.0.1; a short mixed load (chat and completions, streaming and not, greedy
 and sampled) through the real `openai` client; then, with the server idle again:
 - PromQL ``1 + increase(accepted[w]) / increase(drafts[w])`` equals the mean acceptance length computed from
@@ -8,7 +9,9 @@ and sampled) through the real `openai` client; then, with the server idle again:
   counters start at 0, so Prometheus' extrapolation scales both increases by the same factor);
 - the token and spec-decode counters equal the usage / summary totals (instant queries, exact);
 - histogram counts equal the number of requests (or verify steps, or tokens) served;
-- running and waiting gauges are back to 0; per-position counters never exceed the drafts counter;
+- running and waiting gauges are back to 0; the per-position counters equal what the acceptance-length histogram
+  implies position by position (accepted at position k == drafts with acceptance length >= k + 2), which an
+  off-by-one in either fails;
 - `promtool check metrics` finds no problem in `/metrics` after the traffic.
 """
 
@@ -27,12 +30,15 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import make_tiny_pair
 from tests.server_fixtures import ServerProcess, free_port, log_tail, start_server, stop_process
 
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
 N_REQUESTS = 8
+DEMO_PROMPTS = [  # tasks the demo pair was trained on: its draft is accepted for many tokens per step
+    "Divide 296 by 8.", "Convert 5 kilometers to meters.", "What is 48 + 27?",
+    "Write a Python function that returns the maximum of a list.",
+]
 SERVER_START_TIMEOUT_S = 90.0
 
 pytestmark = pytest.mark.skipif(
@@ -73,19 +79,15 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """Start the dflash server on the tiny pair and a Prometheus scraping it every second."""
+    """Start the dflash server on the demo pair and a Prometheus scraping it every second."""
     tmp = tmp_path_factory.mktemp("prom_e2e")
-    (tmp / "models").mkdir()
-    target_dir, draft_dir = make_tiny_pair(tmp / "models")
     prom_port = free_port()
     prom_log = tmp / "prometheus.log"
     config = tmp / "prometheus.yml"
     started_at = time.time()
     procs: Procs = []
     try:
-        server = start_server(
-            ["--target", str(target_dir), "--draft", str(draft_dir), "--device", "cpu"], tmp / "server.log"
-        )
+        server = start_server(["--device", "cpu"], tmp / "server.log")
         procs.append((server.proc, server.log))
         config.write_text(
             "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n"
@@ -157,17 +159,18 @@ def served_from(usage: Any, finish_reason: str | None, summary: dict[str, Any]) 
 def one_request(client: openai.OpenAI, model: str, i: int) -> Served:
     """Request ``i`` of the load: chat or completion x streaming or not x greedy or sampled."""
     chat, stream, sampled = i % 2 == 0, (i // 2) % 2 == 1, (i // 4) % 2 == 1
-    params: dict[str, Any] = {"model": model, "max_tokens": 12 + 4 * i}
+    params: dict[str, Any] = {"model": model, "max_tokens": 24 + 8 * i}
     params["temperature"] = 0.8 if sampled else 0.0
     if sampled:
         params.update(top_p=0.95, seed=1000 + i)
     if stream:
         params.update(stream=True, stream_options={"include_usage": True})
-    text = f"Request {i}: count from one to twenty, then say something about prime numbers."
+    text = DEMO_PROMPTS[i % len(DEMO_PROMPTS)]
     if chat:
         resp: Any = client.chat.completions.create(messages=[{"role": "user", "content": text}], **params)
-    else:
-        resp = client.completions.create(prompt=text, **params)
+    else:  # the demo's chat format, written out by hand
+        resp = client.completions.create(prompt=f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n",
+                                         **params)
     if not stream:
         return served_from(resp.usage, resp.choices[0].finish_reason, summary_of(resp))
     finish_reason, usage, summary = None, None, None
@@ -222,6 +225,7 @@ def test_prometheus_scrapes_match_api(stack: Stack) -> None:
     accepted = sum(s.num_accepted_tokens for s in served)
     generated = sum(s.completion_tokens for s in served)
     assert drafts > 0, "the load produced no draft blocks"
+    assert 1 + accepted / drafts > 3.0, "the demo draft should be accepted for several tokens per step"
     for s in served:
         assert s.mean_acceptance_length == pytest.approx(1 + s.num_accepted_tokens / max(s.num_drafts, 1),
                                                          abs=0.006)
@@ -269,6 +273,10 @@ def test_prometheus_scrapes_match_api(stack: Stack) -> None:
     assert sum(by_pos.values()) == accepted
     assert all(v <= drafts for v in by_pos.values())
     assert all(by_pos[k + 1] <= by_pos[k] for k in range(block_size - 2))  # accepted prefixes
+    assert by_pos[0] > by_pos[block_size - 2] and by_pos[3] > 0  # non-trivial: deep positions are reached
+    for k in range(block_size - 1):  # accepted at position k <=> acceptance length >= k + 2
+        at_most = q(f'dflash_acceptance_length_bucket{{le="{float(k + 1)}"}}')
+        assert by_pos[k] == drafts - at_most, (k, by_pos[k], drafts, at_most)
     over = ("dflash_spec_decode_num_accepted_tokens_per_pos_total"
             " > on() group_left dflash_spec_decode_num_drafts_total")
     assert not prom_query(stack, over, at)

@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from server.settings import Settings, resolve_settings
+from tests.engine_gate import BOUND_S, engine_requests, open_gate, set_gate, start_gated_server
 from tests.server_fixtures import (
     SCRIPT,
     SCRIPT_TEXT,
@@ -50,6 +51,7 @@ class Servers:
     spec: ServerProcess
     ar: ServerProcess
     tokenizer: Any
+    gate: Path  # the spec server's engine gate (tests.engine_gate): absent, the engine runs freely
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     tmp = tmp_path_factory.mktemp("server_e2e")
     target, draft = make_scripted_pair(tmp)
     spec_args = f"--target {target} --draft {draft} --served-model-name {SERVED_NAME} --api-key {API_KEY}"
-    spec = start_server([*spec_args.split(), "--device", "cpu"], tmp / "spec.log")
+    gate = tmp / "spec.gate"
+    spec = start_gated_server([*spec_args.split(), "--device", "cpu"], tmp / "spec.log", gate)
     # The plain server takes its settings from all three sources: flag > DFLASH_* environment > YAML.
     config = tmp / "ar.yaml"
     config.write_text(
@@ -74,7 +77,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     try:
         spec.wait_ready()
         ar.wait_ready()
-        yield Servers(spec, ar, AutoTokenizer.from_pretrained(str(target)))
+        yield Servers(spec, ar, AutoTokenizer.from_pretrained(str(target)), gate)
     finally:
         spec.terminate()
         ar.terminate()
@@ -663,19 +666,40 @@ def test_disconnect_aborts_within_a_second(servers: Servers) -> None:
     assert 'dflash_requests_total{finished_reason="abort"} 1.0' in metrics
 
 
+def abort_count(server: ServerProcess) -> float:
+    metrics = httpx.get(f"{server.url}/metrics", timeout=5).text
+    line = next((x for x in metrics.splitlines() if x.startswith('dflash_requests_total{finished_reason="abort"}')),
+                None)
+    return float(line.split()[-1]) if line else 0.0
+
+
 def test_non_streaming_disconnect_aborts(servers: Servers) -> None:
-    server = servers.spec
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(
-            f"{server.url}/v1/completions",
-            json=_long_completion(stream=False),
-            headers=headers(),
-            timeout=1.0,
-        )
+    """A client that leaves a non-streamed request aborts it: the engine is held mid-request, so no timing."""
+    server, gate = servers.spec, servers.gate
+    before = abort_count(server)
+
+    async def leave_mid_request() -> None:
+        async with httpx.AsyncClient(base_url=server.url, headers=headers(), timeout=BOUND_S) as ac:
+            task = asyncio.create_task(ac.post("/v1/completions", json=_long_completion(stream=False)))
+            t0 = time.monotonic()
+            while engine_requests(gate) < 1:  # admitted, then held after a few steps
+                assert not task.done(), "the request ended while the engine was held"
+                assert time.monotonic() - t0 < BOUND_S, "the request never reached the engine"
+                await asyncio.sleep(0.02)
+            task.cancel()  # the client goes away
+            await asyncio.gather(task, return_exceptions=True)
+
+    set_gate(gate, 3)
+    try:
+        asyncio.run(leave_mid_request())
+        assert not idle(server)
+    finally:
+        open_gate(gate)
     t0 = time.monotonic()
     while not idle(server):
-        assert time.monotonic() - t0 < 2.0, "non-streamed request still running after the client left"
+        assert time.monotonic() - t0 < BOUND_S, "non-streamed request still running after the client left"
         time.sleep(0.02)
+    assert abort_count(server) == before + 1
 
 
 def test_full_queue_answers_429(servers: Servers) -> None:
@@ -711,8 +735,9 @@ def test_full_queue_answers_429(servers: Servers) -> None:
         f"{server.url}/v1/completions", json={**_long_completion(stream=False), "n": 8}, timeout=30
     )
     assert too_many.status_code == 400  # more choices than the server can ever hold
-    ok = client(server).completions.create(model=SERVED_NAME, prompt="x", max_tokens=3, temperature=0)
-    assert ok.usage.completion_tokens <= 3
+    ok = client(server).completions.create(model=SERVED_NAME, prompt="x", max_tokens=3, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 3
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_0(servers: Servers) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dflash_core import train
-from tests.helpers import make_target, make_tokenizer
+from tests.helpers import make_draft, make_target, make_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +155,40 @@ def test_help_documents_every_option() -> None:
             assert action.help, f"{action.option_strings} lacks help"
     res = _run_cli("--help")
     assert res.returncode == 0 and "--block-size" in res.stdout and "--resume" in res.stdout
+
+
+def test_help_shows_every_default() -> None:
+    """Every option that takes a value and is not required says its default in --help."""
+    parser = train.build_parser()
+    fmt = parser._get_formatter()
+    for action in parser._actions:
+        if not action.option_strings or action.required or action.nargs == 0:
+            continue
+        assert "default" in fmt._get_help_string(action), f"{action.option_strings} does not show its default"
+    text = parser.format_help()
+    assert "(default: 2000)" in text and "(default: 16)" in text
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_written_weights_are_readable_by_others(tmp_path: Path, umask: int) -> None:
+    """Final weights and checkpoints: 0644 / 0755 less the umask (safetensors and mkdtemp write 0600 / 0700,
+    which the serving container's user cannot read)."""
+    draft = make_draft(tmp_path / "src")
+    out = tmp_path / "out"
+    out.mkdir()
+    old = os.umask(umask)
+    try:
+        train.save_final(out, draft)
+        opt = torch.optim.AdamW(draft.parameters())
+        train.save_checkpoint(out, draft, opt, 1, torch.Generator())
+    finally:
+        os.umask(old)
+    for name in ("model.safetensors", "config.json"):
+        assert (out / name).stat().st_mode & 0o777 == 0o644 & ~umask, name
+    ckpt = out / train.CHECKPOINT_DIR
+    assert ckpt.stat().st_mode & 0o777 == 0o755 & ~umask
+    for f in ckpt.iterdir():
+        assert f.stat().st_mode & 0o777 == 0o644 & ~umask, f.name
 
 
 @pytest.mark.parametrize(

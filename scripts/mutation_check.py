@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""Plant known bugs one at a time in a copy of the repo and check that the test suite catches each.
+
+Every entry names a file, the function it lands in, one or more exact (original -> mutated) replacements and the
+tests that should fail. The original text must occur exactly once in the file: when the code moves on, the entry
+is reported as STALE and the check fails, so the list stays in step with the code. A mutation that no longer
+compiles is reported as INVALID (it would be "caught" for the wrong reason).
+
+    python scripts/mutation_check.py              # all entries, two at a time
+    python scripts/mutation_check.py --list       # the entries
+    python scripts/mutation_check.py -k top_p     # entries whose name contains "top_p"
+
+Exit 0 when every planted bug made some test fail; 1 when one survived; 2 when an entry is stale or invalid.
+Runs in about 5-8 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import py_compile
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+COPY_IGNORE = shutil.ignore_patterns(".venv", ".git", "__pycache__", "bench-results", "*.egg-info", ".pytest_cache",
+                                     ".ruff_cache")
+TEST_TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """One planted bug: exact replacements in one file, and the tests that must notice."""
+
+    name: str
+    file: str
+    function: str
+    edits: tuple[tuple[str, str], ...]
+    tests: tuple[str, ...]
+
+
+SAMPLING = "tests/test_sampling_reference.py"
+DRAFT_REF = "tests/test_draft_reference.py"
+MATRIX = "tests/test_backends_matrix.py"
+ENGINE = "tests/test_engine.py"
+ACCEPT = "dflash_core/engine.py"
+
+
+def m(name: str, file: str, function: str, original: str, mutated: str, *tests: str) -> Mutation:
+    """A one-replacement entry."""
+    return Mutation(name, file, function, ((original, mutated),), tests)
+
+
+MUTATIONS: tuple[Mutation, ...] = (
+    # sampling: the processed distribution and the position-keyed draws
+    m("top_p_inclusive_cumsum", "dflash_core/sampling.py", "processed_probs",
+      "keep = (sorted_probs.cumsum(-1) - sorted_probs) < params.top_p",
+      "keep = sorted_probs.cumsum(-1) < params.top_p", SAMPLING),
+    m("top_p_less_or_equal", "dflash_core/sampling.py", "processed_probs",
+      "keep = (sorted_probs.cumsum(-1) - sorted_probs) < params.top_p",
+      "keep = (sorted_probs.cumsum(-1) - sorted_probs) <= params.top_p", SAMPLING),
+    m("top_k_ignored", "dflash_core/sampling.py", "processed_probs",
+      "if 0 < params.top_k < vocab:", "if 0 < params.top_k < 1:", SAMPLING),
+    m("draws_keyed_one_position_late", "dflash_core/sampling.py", "choose_tokens",
+      "[position_uniform(seed, first_position + i) for i in range(logits.shape[0])]",
+      "[position_uniform(seed, first_position + i + 1) for i in range(logits.shape[0])]", SAMPLING),
+    m("verify_draws_wrong_position", ACCEPT, "Engine._accept",
+      "chosen = choose_tokens(out.logits, req.params, req.seed, p + 1)",
+      "chosen = choose_tokens(out.logits, req.params, req.seed, p)", SAMPLING),
+    m("tiny_temperature_not_greedy", "dflash_core/sampling.py", "SamplingParams.greedy",
+      "return self.temperature < SAMPLING_EPS", "return self.temperature == 0.0", SAMPLING, ENGINE),
+    m("no_nan_guard", "dflash_core/sampling.py", "processed_probs",
+      "return torch.where(bad, onehot, probs)", "return probs", SAMPLING),
+    # acceptance
+    m("biased_acceptance_half_strength", ACCEPT, "Engine._accept",
+      "while accepted < len(proposals) and proposals[accepted] == chosen[accepted]:",
+      "while accepted < len(proposals) and (proposals[accepted] == chosen[accepted] or ("
+      "proposals[accepted] == int(out.logits[accepted].argmax()) and float(torch.rand(())) < 0.5)):", SAMPLING),
+    m("crop_keeps_rejected_token", ACCEPT, "Engine._accept",
+      "self.target.crop(req.cache, p + accepted + 1)", "self.target.crop(req.cache, p + accepted + 2)", MATRIX),
+    m("bonus_token_from_draft", ACCEPT, "Engine._accept",
+      "chosen[accepted : accepted + 1]", "(proposals + chosen[-1:])[accepted : accepted + 1]", MATRIX),
+    # the draft's context: which rows, which layer
+    m("rejected_features_in_context", ACCEPT, "Engine._accept",
+      "self.drafter.extend_context(req.draft_state, out.features[: accepted + 1])",
+      "self.drafter.extend_context(req.draft_state, out.features)",
+      DRAFT_REF, "tests/test_demo_quality.py::test_engine_acceptance_guard"),
+    m("hf_feature_one_layer_off", "dflash_core/target.py", "HFTarget.forward",
+      "out.hidden_states[i + 1][0]", "out.hidden_states[i][0]", DRAFT_REF),
+    m("native_feature_one_layer_off", "dflash_core/native.py", "NativeTarget.forward_batch",
+      "hidden_ids = [i + 1 for i in self.layer_ids] if features else []",
+      "hidden_ids = [i for i in self.layer_ids] if features else []", DRAFT_REF),
+    # failures confined to their request
+    m("verify_retry_without_crop", ACCEPT, "Engine._decode_batch",
+      "self.target.crop(cache, start)", "self.target.crop(cache, start + len(tokens))", ENGINE),
+    m("hf_crop_one_length_for_all_layers", "dflash_core/target.py", "HFTarget.crop",
+      'layers = getattr(cache, "layers", None)', "layers = None", ENGINE),
+    m("draft_pending_cleared_before_forward", ACCEPT, "DFlashDrafter.propose_batch",
+      "pending = [torch.cat(st.pending, dim=0) if st.pending else None for st, *_ in items]",
+      "pending = [(torch.cat(st.pending, dim=0), st.pending.clear())[0] if st.pending else None "
+      "for st, *_ in items]", ENGINE),
+    m("draft_cache_not_rolled_back", ACCEPT, "DFlashDrafter.propose_batch",
+      "cache.length = rollback", "cache.length = cache.length", ENGINE),
+    # training and the server
+    m("train_zero_gradients", "dflash_core/train.py", "train",
+      "        loss.backward()\n", "        (loss * 0).backward()\n", "tests/test_train_learns.py"),
+    m("stop_string_cut_one_token_late", "server/detokenize.py", "RequestDecoder.feed",
+      "res.tokens_used = i + 1", "res.tokens_used = i + 2",
+      "tests/test_demo_quality.py::test_stop_string_inside_a_multi_token_step"),
+)
+
+
+@dataclass
+class Result:
+    mutation: Mutation
+    status: str  # CAUGHT | SURVIVED | STALE | INVALID
+    detail: str
+    seconds: float
+
+
+def apply(copy: Path, m: Mutation) -> str | None:
+    """Apply ``m`` in ``copy``; None, or why it cannot be applied (stale / invalid)."""
+    path = copy / m.file
+    text = path.read_text()
+    for original, mutated in m.edits:
+        count = text.count(original)
+        if count != 1:
+            return f"STALE: {original!r} occurs {count} times in {m.file} (expected once, in {m.function})"
+        text = text.replace(original, mutated)
+    path.write_text(text)
+    try:
+        py_compile.compile(str(path), doraise=True)
+    except py_compile.PyCompileError as e:
+        return f"INVALID: the mutated {m.file} does not compile: {e.msg}"
+    return None
+
+
+def run_one(copy: Path, m: Mutation, python: str) -> Result:
+    """Plant ``m`` in ``copy``, run its tests, restore the file."""
+    t0 = time.monotonic()
+    original = (copy / m.file).read_text()
+    try:
+        problem = apply(copy, m)
+        if problem is not None:
+            return Result(m, problem.split(":")[0], problem, time.monotonic() - t0)
+        env = {**os.environ, "PYTHONPATH": str(copy), "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+        env = {k: v for k, v in env.items() if not k.startswith("DFLASH_")}
+        cmd = [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests]
+        try:
+            proc = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=TEST_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return Result(m, "CAUGHT", f"tests timed out after {TEST_TIMEOUT_S} s", time.monotonic() - t0)
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
+        if proc.returncode == 1:
+            return Result(m, "CAUGHT", tail[0], time.monotonic() - t0)
+        if proc.returncode == 0:
+            return Result(m, "SURVIVED", tail[0], time.monotonic() - t0)
+        return Result(m, "INVALID", f"pytest exit {proc.returncode}: {tail[0]}", time.monotonic() - t0)
+    finally:
+        (copy / m.file).write_text(original)
+
+
+def make_copy(root: Path, python: str) -> Path:
+    """A copy of the working tree whose packages are the ones the tests import."""
+    copy = Path(tempfile.mkdtemp(prefix="mut-", dir=root))
+    shutil.copytree(REPO, copy, ignore=COPY_IGNORE, dirs_exist_ok=True)
+    probe = subprocess.run(
+        [python, "-c", "import dflash_core, server; print(dflash_core.__file__); print(server.__file__)"],
+        cwd=copy, env={**os.environ, "PYTHONPATH": str(copy)}, capture_output=True, text=True, check=True,
+    )
+    for line in probe.stdout.split():
+        if not Path(line).resolve().is_relative_to(copy.resolve()):
+            raise SystemExit(f"mutation_check: the copy imports {line}, not its own code; cannot check")
+    return copy
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-k", default="", help="only entries whose name contains this text")
+    p.add_argument("--jobs", type=int, default=2, help="mutations checked at once, each in its own copy")
+    p.add_argument("--list", action="store_true", help="list the entries and exit")
+    args = p.parse_args(argv)
+    chosen = [m for m in MUTATIONS if args.k in m.name]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:36s} {m.file}:{m.function}  -> {' '.join(m.tests)}")
+        return 0
+    python = sys.executable
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="mutation-check-") as tmp:
+        copies = [make_copy(Path(tmp), python) for _ in range(max(1, min(args.jobs, len(chosen))))]
+        free = list(copies)
+
+        def check(m: Mutation) -> Result:
+            copy = free.pop()
+            try:
+                return run_one(copy, m, python)
+            finally:
+                free.append(copy)
+
+        with ThreadPoolExecutor(max_workers=len(copies)) as pool:
+            results = []
+            for r in pool.map(check, chosen):
+                results.append(r)
+                print(f"{r.status:8s} {r.mutation.name:36s} {r.seconds:6.1f} s  {r.detail}", flush=True)
+    caught = sum(r.status == "CAUGHT" for r in results)
+    print(f"\n{caught}/{len(results)} planted bugs caught in {time.monotonic() - t0:.0f} s")
+    if any(r.status in ("STALE", "INVALID") for r in results):
+        return 2
+    return 0 if caught == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

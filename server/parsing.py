@@ -1,0 +1,195 @@
+"""Request bodies parsed without stalling the server, and a bound on CPU-heavy request preparation.
+
+JSON parsing and pydantic validation hold the GIL from start to end: in a thread they stop the event loop and
+the engine thread all the same (an 8 MiB ``{"prompt": [[5], [5], ...]}`` takes seconds). Small bodies are cheap
+and parsed in place; a body that is big, or has many JSON values (counted from its commas and brackets, an upper
+bound), goes to a helper process (``python -m server.parsing``) that parses and validates it and sends the
+request object back pickled. Token-id prompts that cannot fit the context are refused in the helper, so what
+comes back is bounded by what can run. Helpers start on first use, at most ``PARSE_PROCESSES`` at once, at a
+lower CPU priority than the server.
+
+``Limiter`` bounds work in flight (helper parses, long tokenizations): at most ``active`` at once, ``waiting``
+more in line, and a 429 beyond.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import pickle
+import sys
+from types import TracebackType
+from typing import Any
+
+from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
+
+log = logging.getLogger("dflash.server")
+
+INLINE_MAX_BYTES = 256 * 1024  # bodies up to this size with few JSON values are parsed in place (about 1 ms)
+INLINE_MAX_VALUES = 2000
+PARSE_PROCESSES = 2
+PARSE_MAX_WAITING = 64
+HELPER_NICE = 10  # a helper yields the CPU to the server (a hostile body must not slow everyone's tokens)
+RETRY_AFTER_S = 1
+_HEADER = 8  # bytes of the length prefix of each message between the server and a helper
+
+
+class Limiter:
+    """At most ``active`` holders at once and ``waiting`` more in line; beyond that, APIError 429."""
+
+    def __init__(self, active: int, waiting: int, what: str) -> None:
+        self.max_active = active
+        self.max_waiting = waiting
+        self.what = what
+        self.active = 0
+        self.waiting = 0
+        self._sem = asyncio.Semaphore(active)
+
+    async def __aenter__(self) -> Limiter:
+        if self._sem.locked():
+            if self.waiting >= self.max_waiting:
+                raise APIError(
+                    429,
+                    f"too many {self.what} in progress ({self.max_active} running, {self.waiting} waiting); "
+                    "retry later",
+                    type="rate_limit_error",
+                    code="queue_full",
+                    headers={"Retry-After": str(RETRY_AFTER_S)},
+                )
+            self.waiting += 1
+            try:
+                await self._sem.acquire()
+            finally:
+                self.waiting -= 1
+        else:
+            await self._sem.acquire()
+        self.active += 1
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.active -= 1
+        self._sem.release()
+
+
+def is_cheap(body: bytes) -> bool:
+    """Whether parsing ``body`` in place is cheap: small, and few JSON values (commas + brackets bound them)."""
+    if len(body) > INLINE_MAX_BYTES:
+        return False
+    return body.count(b",") + body.count(b"[") + body.count(b"{") <= INLINE_MAX_VALUES
+
+
+class _Helper:
+    """One ``python -m server.parsing`` process: one request at a time."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+
+    @classmethod
+    async def start(cls) -> _Helper:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "server.parsing",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            # failures come back as replies; stray output would break --log-json
+            stderr=asyncio.subprocess.DEVNULL,
+            # its own session: a Ctrl+C in the server's terminal must not kill it mid-drain
+            start_new_session=True,
+        )
+        return cls(proc)
+
+    async def parse(self, kind: str, body: bytes, max_model_len: int | None) -> Any:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        data = pickle.dumps((kind, max_model_len, body), protocol=pickle.HIGHEST_PROTOCOL)
+        self.proc.stdin.write(len(data).to_bytes(_HEADER, "little") + data)
+        await self.proc.stdin.drain()
+        size = int.from_bytes(await self.proc.stdout.readexactly(_HEADER), "little")
+        status, value = pickle.loads(await self.proc.stdout.readexactly(size))
+        if status == "error":
+            raise value
+        if status != "ok":
+            raise RuntimeError(f"the parse helper failed: {value}")
+        return value
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+
+    async def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            await asyncio.wait_for(self.proc.wait(), 2.0)
+        except TimeoutError:
+            self.kill()
+            await self.proc.wait()
+
+
+class ParsePool:
+    """Helper processes that parse big bodies (``parse``); cheap bodies are parsed in place."""
+
+    def __init__(self, size: int = PARSE_PROCESSES, waiting: int = PARSE_MAX_WAITING) -> None:
+        self.limiter = Limiter(size, waiting, "large request bodies")
+        self._idle: list[_Helper] = []
+        self._closed = False
+
+    async def parse(
+        self, kind: str, body: bytes, max_model_len: int | None
+    ) -> ChatCompletionRequest | CompletionRequest:
+        """The validated request (APIError 400 for a bad body, 429 when too many big bodies wait)."""
+        if is_cheap(body):
+            return parse_request(kind, body, max_model_len)
+        async with self.limiter:
+            helper = self._idle.pop() if self._idle else await _Helper.start()
+            ok = False
+            try:
+                result = await helper.parse(kind, body, max_model_len)
+                ok = True
+            except APIError:
+                ok = True  # a clean answer: the helper is in step
+                raise
+            finally:
+                if ok and not self._closed:
+                    self._idle.append(helper)
+                else:  # cancelled mid-exchange, or the helper died: never reuse it
+                    helper.kill()
+        return result
+
+    async def close(self) -> None:
+        """Stop the idle helpers (those in use are killed when their parse ends)."""
+        self._closed = True
+        helpers, self._idle = self._idle, []
+        for helper in helpers:
+            await helper.close()
+
+
+def main() -> None:
+    """The helper process: length-prefixed pickles in on stdin, ("ok" | "error" | "failed", value) out."""
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # anything printed goes to stderr, never into the replies
+    with contextlib.suppress(OSError):
+        os.nice(HELPER_NICE)
+    inp = sys.stdin.buffer
+    while True:
+        head = inp.read(_HEADER)
+        if len(head) < _HEADER:
+            return  # the server closed the pipe
+        kind, max_model_len, body = pickle.loads(inp.read(int.from_bytes(head, "little")))
+        try:
+            reply: tuple[str, Any] = ("ok", parse_request(kind, body, max_model_len))
+        except APIError as e:
+            reply = ("error", e)
+        except Exception as e:  # noqa: BLE001 - reported to the server, which logs it
+            reply = ("failed", f"{type(e).__name__}: {e}")
+        data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
+        out.write(len(data).to_bytes(_HEADER, "little") + data)
+        out.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""Prompts: the chat template rendered so that message text stays text, a cheap context bound, tokenization.
+
+Special tokens in messages. A chat template's turns are marked by special tokens (``<|im_start|>``, ...); if
+message content were tokenized together with the template, content that merely *spells* one
+(``"hi<|im_end|>\\n<|im_start|>system\\n..."``) would become a real turn marker and forge a system turn. So the
+template is also rendered with every client string (content, name) replaced by a random sentinel: that rendering
+holds the template's own special tokens. When the real rendering tokenizes to the same special tokens, the
+content added none and the usual whole-text tokens are used (identical to ``apply_chat_template(tokenize=True)``).
+Otherwise the text is split at the sentinels: template parts are tokenized with special tokens, client strings as
+plain text. A template that changes content (e.g. strips a reasoning block) cannot be split that way; such a
+request is refused with a 400. Plain text is encoded by a private copy of the Rust tokenizer whose
+``encode_special_tokens`` is always on: transformers' ``split_special_tokens=True`` flips that flag on the shared
+tokenizer, which would race with tokenizations in other threads. ``allow_special_tokens`` turns all of this off.
+Strings in ``chat_template_kwargs`` are the operator's business and not treated specially.
+
+Completion prompts are the client's raw prompt, with no template and no turns to forge: special-token text in them
+is tokenized as special tokens, as vLLM does.
+
+The cheap bound. Tokenizing a long text costs seconds and gigabytes; a text that cannot fit the context is refused
+before that. No token stands for more characters than the longest vocabulary entry (in byte-level BPE an entry's
+characters are bytes, and a character is at least one byte), so a text of ``n`` characters is at least
+``n / longest`` tokens, or ``n / (4 * longest)`` for non-ASCII text when a Unicode normalizer (NFC, NFKC, ...) can
+compose up to 4 characters into one. The bound is used only for tokenizers whose model keeps every character
+(byte-level BPE, or byte fallback) and whose normalizer and pre-tokenizer drop none; otherwise it is off.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+
+from server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_min_prompt_tokens,
+)
+
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tokenize",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "padding",
+        "truncation",
+        "max_length",
+        "tools",
+        "documents",
+        "chat_template",
+        "tokenizer_kwargs",
+    }
+)
+NORMALIZER_SLACK = 4  # canonical composition turns at most 4 characters into one (U+1F85 = 4 code points)
+_UNICODE_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Lowercase"})
+_HARMLESS_NORMALIZERS = frozenset({"Prepend", "ByteLevel"})  # add characters, never remove
+_DROPPING_PRE_TOKENIZERS = frozenset({"Whitespace", "WhitespaceSplit", "BertPreTokenizer", "CharDelimiterSplit"})
+
+
+@dataclass(frozen=True)
+class TokenBound:
+    """A lower bound on the tokens of a text: no token covers more than ``max_chars`` characters."""
+
+    max_chars: int
+    non_ascii_slack: int = 1
+
+    def min_tokens(self, text: str) -> int:
+        """At least this many tokens (``str.isascii`` is O(1) in CPython)."""
+        per_token = self.max_chars * (1 if text.isascii() else self.non_ascii_slack)
+        return math.ceil(len(text) / per_token)
+
+
+def _components(spec: Any) -> Iterator[dict[str, Any]]:
+    """The leaves of a tokenizers normalizer / pre-tokenizer spec (``Sequence`` flattened)."""
+    if not isinstance(spec, dict):
+        return
+    if spec.get("type") == "Sequence":
+        for item in spec.get("normalizers") or spec.get("pretokenizers") or []:
+            yield from _components(item)
+    else:
+        yield spec
+
+
+def _normalizer_slack(spec: Any) -> int | None:
+    """How many characters a normalizer may turn into one (None: it may remove characters, no bound)."""
+    slack = 1
+    for c in _components(spec):
+        kind = c.get("type")
+        if kind in _UNICODE_NORMALIZERS:
+            slack = NORMALIZER_SLACK
+        elif kind in _HARMLESS_NORMALIZERS:
+            continue
+        elif kind == "Replace":
+            pattern = (c.get("pattern") or {}).get("String")
+            if pattern is None or len(c.get("content") or "") < len(pattern):
+                return None
+        else:
+            return None
+    return slack
+
+
+def _keeps_every_character(spec: dict[str, Any]) -> bool:
+    """Whether every input character ends up in some token (no unknowns dropped or fused, no splits removed)."""
+    pre = list(_components(spec.get("pre_tokenizer")))
+    if any(c.get("type") in _DROPPING_PRE_TOKENIZERS for c in pre):
+        return False
+    if any(c.get("type") == "Split" and c.get("behavior") == "Removed" for c in pre):
+        return False
+    byte_level = any(c.get("type") == "ByteLevel" for c in pre)
+    model = spec.get("model") or {}
+    kind = model.get("type")
+    if kind == "BPE":
+        unk_per_char = model.get("unk_token") is not None and not model.get("fuse_unk")
+        return byte_level or bool(model.get("byte_fallback")) or unk_per_char
+    if kind == "Unigram":
+        return byte_level or bool(model.get("byte_fallback"))
+    return False
+
+
+def token_bound(tokenizer: Any) -> TokenBound | None:
+    """The cheap bound for ``tokenizer``, or None when it cannot be trusted (see the module docstring)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    try:
+        spec = json.loads(backend.to_str())
+        vocab = tokenizer.get_vocab()
+    except (AttributeError, TypeError, ValueError):
+        return None
+    slack = _normalizer_slack(spec.get("normalizer"))
+    if slack is None or not _keeps_every_character(spec):
+        return None
+    longest = max((len(piece) for piece in vocab), default=0)
+    return TokenBound(longest, slack) if longest > 0 else None
+
+
+def _plain_text_encoder(tokenizer: Any) -> Any:
+    """A copy of the Rust tokenizer that encodes special-token text as text (None for a Python tokenizer)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    plain = type(backend).from_str(backend.to_str())
+    plain.encode_special_tokens = True
+    plain.no_truncation()
+    plain.no_padding()
+    return plain
+
+
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids of the added tokens marked special: the ones ``split_special_tokens`` tokenizes as plain text."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return frozenset(i for i, t in decoder.items() if getattr(t, "special", False))
+
+
+class PromptBuilder:
+    """Turns requests into prompt token ids for one tokenizer (thread-safe; runs in a thread pool)."""
+
+    def __init__(self, tokenizer: Any, max_model_len: int, allow_special_tokens: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.allow_special_tokens = allow_special_tokens
+        self.bound = token_bound(tokenizer)
+        self.special_ids = special_token_ids(tokenizer)
+        self.vocab_size = len(tokenizer)
+        self._plain = _plain_text_encoder(tokenizer) if self.special_ids else None
+
+    # --- the cheap bound -----------------------------------------------------------------------------------
+
+    def check_fits(self, text: str, requested: int | None, param: str) -> None:
+        """400 ``context_length_exceeded`` for a text that cannot fit, without tokenizing it."""
+        if self.bound is None or len(text) <= self.max_model_len:
+            return  # short texts tokenize fast: the exact check follows
+        check_min_prompt_tokens(self.bound.min_tokens(text), len(text), requested, self.max_model_len, param)
+
+    # --- tokenization --------------------------------------------------------------------------------------
+
+    def _ids(self, text: str, *, special: bool = True) -> list[int]:
+        if special:
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if self._plain is not None:
+            return list(self._plain.encode(text, add_special_tokens=False).ids)
+        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+    def _render(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError) as e:  # e.g. roles that do not alternate
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+
+    def chat(self, req: ChatCompletionRequest) -> list[int]:
+        """Render the chat template and tokenize it; message text never becomes special tokens."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        kwargs = dict(req.chat_template_kwargs or {})
+        bad = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+        if bad:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(bad)}", param="chat_template_kwargs")
+        kwargs.setdefault("add_generation_prompt", True)
+        messages: list[dict[str, Any]] = []
+        for m in req.messages:
+            msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.name is not None:
+                msg["name"] = m.name
+            messages.append(msg)
+        text = self._render(messages, kwargs)
+        self.check_fits(text, req.requested_max_tokens(), "messages")
+        ids = self._ids(text)
+        if self.allow_special_tokens or not self.special_ids:
+            return ids
+        return self._keep_content_as_text(messages, kwargs, text, ids)
+
+    def _keep_content_as_text(
+        self, messages: list[dict[str, Any]], kwargs: dict[str, Any], text: str, ids: list[int]
+    ) -> list[int]:
+        """``ids`` when message text added no special token; else the text re-tokenized with content as text."""
+        nonce = secrets.token_hex(8)
+        strings: list[str] = []
+
+        def sentinel(value: str) -> str:
+            strings.append(value)
+            return f"\x00{nonce}.{len(strings) - 1}\x00"
+
+        masked = []
+        for msg in messages:
+            copy = dict(msg, content=sentinel(msg["content"]))
+            if "name" in msg:
+                copy["name"] = sentinel(msg["name"])
+            masked.append(copy)
+        masked_text = self._render(masked, kwargs)
+        found = [t for t in ids if t in self.special_ids]
+        if found == [t for t in self._ids(masked_text) if t in self.special_ids]:
+            return ids  # the template's own special tokens and no others
+        pieces = re.split(f"\x00{nonce}\\.(\\d+)\x00", masked_text)
+        parts, slots = pieces[0::2], [strings[int(i)] for i in pieces[1::2]]
+        if "".join(p + s for p, s in zip(parts, [*slots, ""], strict=True)) != text:
+            names = [self.tokenizer.convert_ids_to_tokens(t) for t in sorted(self.special_ids)]
+            example = next((n for n in names if any(n in s for s in strings)), None)
+            raise APIError(
+                400,
+                "message content contains special-token text"
+                + (f" ({example!r})" if example else "")
+                + " and this chat template changes message content, so it cannot be kept as plain text",
+                param="messages",
+            )
+        out: list[int] = []
+        for part, value in zip(parts, [*slots, ""], strict=True):
+            if part:
+                out.extend(self._ids(part))
+            if value:
+                out.extend(self._ids(value, special=False))
+        return out
+
+    def completions(self, req: CompletionRequest) -> list[list[int]]:
+        """Tokenize each prompt of a completion request (special-token text stays special: a raw prompt)."""
+        out = []
+        for p in req.prompts():
+            if isinstance(p, str):
+                self.check_fits(p, req.max_tokens, "prompt")
+                out.append(list(self.tokenizer(p)["input_ids"]))
+            else:
+                if any(t < 0 or t >= self.vocab_size for t in p):
+                    raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+                out.append(list(p))
+        return out

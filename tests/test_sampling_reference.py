@@ -1,0 +1,332 @@
+"""Sampling checked against an independent reference written here, not against the engine's own code paths.
+
+`reference_probs` is a plain float64 transcription of the documented rule (temperature, then top-k keeping ties at
+the k-th value, then top-p keeping each token whose preceding mass is < top_p in order of decreasing probability,
+ties by token id; temperature < 1e-5 is greedy). `reference_decode` is plain autoregressive decoding with it: a
+fresh full forward per token and the inverse-CDF draw with `position_uniform(seed, position)`, position being the
+token's index in prompt + output. The engine must reproduce it token for token with drafts that are really
+accepted, and its accepted tokens must follow the exact target distribution (chi-square goodness of fit).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from dflash_core.engine import Engine
+from dflash_core.native import NativeTarget
+from dflash_core.sampling import SamplingParams, choose_tokens, position_uniform, processed_probs
+from dflash_core.target import HFTarget
+from tests.helpers import make_target
+from tests.test_engine import OracleDrafter, ScriptedDrafter, predicted_acceptance, run_all, tokens
+
+INF = float("inf")
+
+
+def reference_probs(logits: Sequence[float], temperature: float, top_k: int = 0, top_p: float = 1.0) -> list[float]:
+    """The processed distribution of one row, in float64, the obvious way."""
+    v = len(logits)
+    if temperature < 1e-5:  # greedy: the first maximum
+        best = max(range(v), key=lambda t: (logits[t], -t))
+        return [1.0 if t == best else 0.0 for t in range(v)]
+    scores = [x / temperature for x in logits]
+    if 0 < top_k < v:
+        kth = sorted(scores, reverse=True)[top_k - 1]
+        scores = [s if s >= kth else -INF for s in scores]  # every token tied with the k-th stays
+    top = max(scores)
+    weights = [math.exp(s - top) if s != -INF else 0.0 for s in scores]
+    total = sum(weights)
+    probs = [w / total for w in weights]
+    if top_p < 1.0:
+        before = 0.0
+        keep = set()
+        for t in sorted(range(v), key=lambda t: (-probs[t], t)):
+            if before < top_p:
+                keep.add(t)
+            before += probs[t]
+        probs = [p if t in keep else 0.0 for t, p in enumerate(probs)]
+        total = sum(probs)
+        probs = [p / total for p in probs]
+    return probs
+
+
+def inverse_cdf(probs: Sequence[float], u: float) -> int:
+    """The first token whose cumulative probability exceeds u (never a zero-probability token)."""
+    cum = 0.0
+    last = max(t for t, p in enumerate(probs) if p > 0)
+    for t, p in enumerate(probs):
+        cum += p
+        if p > 0 and cum > u:
+            return t
+    return last
+
+
+def params_tuple(params: SamplingParams) -> tuple[float, int, float]:
+    return params.temperature, params.top_k, params.top_p
+
+
+# ---- the processed distribution ----
+
+def logit_rows(vocab: int) -> torch.Tensor:
+    """Random rows, rows full of ties, and rows whose top-p boundary falls exactly on a cumulative sum."""
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randn(4, vocab, generator=g) * 2.0]
+    rows.append(torch.randint(-3, 4, (4, vocab), generator=g).float())  # many ties, also at the k-th value
+    exact = torch.full((2, vocab), -INF)
+    exact[0, [3, 9, 17, 30]] = 0.0  # four tokens of probability exactly 1/4
+    exact[1, :8] = torch.tensor([2.0, 2.0, 1.0, 1.0, 1.0, 1.0, 0.5, -1e4])
+    rows.append(exact)
+    return torch.cat(rows)
+
+
+GRID = list(itertools.product(
+    (1e-6, 0.25, 0.7, 1.0, 1.9),  # temperature (1e-6: greedy)
+    (0, -1, 1, 2, 5, 39, 40, 47),  # top_k (vocab 40: off, off, one, ..., vocab - 1, vocab, more)
+    (1.0, 0.95, 0.5, 0.3, 0.05),  # top_p (0.5 lands exactly on the boundary of the four 1/4 tokens)
+))
+
+
+def test_processed_probs_equals_reference():
+    logits = logit_rows(40)
+    rows = logits.tolist()
+    for temperature, top_k, top_p in GRID:
+        got = processed_probs(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)).double()
+        want = torch.tensor([reference_probs(row, temperature, top_k, top_p) for row in rows], dtype=torch.float64)
+        where = f"temperature {temperature}, top_k {top_k}, top_p {top_p}"
+        assert torch.equal(got > 0, want > 0), where  # exactly the same support in every row
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, msg=where)
+
+
+def test_processed_probs_edge_cases():
+    logits = logit_rows(40)
+    # top_p 0.5 on four tokens of 1/4: the first two are kept (the second is the one that reaches 0.5)
+    half = processed_probs(logits[8:9], SamplingParams(temperature=1.0, top_p=0.5))[0]
+    assert half.nonzero().flatten().tolist() == [3, 9] and half[3] == half[9] == 0.5
+    # top_k 1 with a tie at the top keeps both tied tokens
+    tied = processed_probs(logits[9:10], SamplingParams(temperature=1.0, top_k=1))[0]
+    assert tied.nonzero().flatten().tolist() == [0, 1]
+    # top_k >= vocab and top_p 1.0 change nothing
+    plain = torch.softmax(logits[:4] / 0.7, dim=-1)
+    torch.testing.assert_close(processed_probs(logits[:4], SamplingParams(temperature=0.7, top_k=400)), plain)
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-6, 9.9e-6])
+def test_tiny_temperature_is_greedy_and_never_nan(temperature):
+    logits = logit_rows(40)
+    params = SamplingParams(temperature=temperature, top_p=0.9, top_k=5, seed=3)
+    assert params.greedy and not SamplingParams(temperature=1e-5).greedy
+    probs = processed_probs(logits, params)
+    assert torch.isfinite(probs).all()
+    assert torch.equal(probs.argmax(-1), logits.argmax(-1)) and torch.equal(probs.max(-1).values, torch.ones(10))
+    assert choose_tokens(logits, params, 3, 0) == logits.argmax(-1).tolist()
+
+
+def test_non_finite_logits_fall_back_to_the_argmax():
+    """An overflowed logit (+inf, as fp16 can produce) gives a one-hot at it, never NaN probabilities."""
+    logits = logit_rows(40)[:4].clone()
+    logits[1, 7] = INF
+    params = SamplingParams(temperature=0.7, top_p=0.9)
+    probs = processed_probs(logits, params)
+    assert torch.isfinite(probs).all()
+    assert probs[1].nonzero().flatten().tolist() == [7]
+    torch.testing.assert_close(probs[0], processed_probs(logits[:1], params)[0])  # other rows untouched
+    assert choose_tokens(logits, params, 9, 0)[1] == 7
+
+
+def test_choose_tokens_is_the_position_keyed_inverse_cdf():
+    """Row i of a block is drawn with position_uniform(seed, first_position + i) from the processed law."""
+    logits = logit_rows(40)[:8]
+    for (temperature, top_k, top_p), seed in itertools.product(GRID[::7], (0, 12345, 2**63 + 5)):
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        got = choose_tokens(logits, params, seed, 17)
+        want = [inverse_cdf(reference_probs(row, temperature, top_k, top_p), position_uniform(seed, 17 + i))
+                for i, row in enumerate(logits.tolist())]
+        assert got == want, (temperature, top_k, top_p, seed)
+
+
+# ---- seeded speculative decoding == the reference's plain decoding ----
+
+@pytest.fixture(scope="module")
+def tiny_model() -> torch.nn.Module:
+    return make_target(None, "qwen3")
+
+
+@torch.inference_mode()
+def reference_decode(model: torch.nn.Module, prompt: list[int], params: SamplingParams, seed: int, n: int) -> list[int]:
+    """Plain decoding: a full forward per token, the reference law, the draw keyed by the token's position."""
+    seq = list(prompt)
+    for _ in range(n):
+        logits = model(torch.tensor([seq]), use_cache=False).logits[0, -1].tolist()
+        seq.append(inverse_cdf(reference_probs(logits, *params_tuple(params)), position_uniform(seed, len(seq))))
+    return seq[len(prompt):]
+
+
+CASES = [
+    SamplingParams(temperature=0.8, top_p=0.9, top_k=20),
+    SamplingParams(temperature=1.3),
+    SamplingParams(temperature=1.0, top_k=4),
+    SamplingParams(temperature=0.6, top_p=0.5),
+]
+PROMPTS = [[5], [20, 21, 22], list(range(30, 70))]
+N_TOKENS = 24
+BLOCK = 8
+PATTERN = (7, 2, 0, 5, 7, 1, 3)
+
+
+@pytest.fixture(scope="module")
+def sampled_references(tiny_model) -> dict[tuple[int, tuple[int, ...]], list[int]]:
+    return {(c, tuple(p)): reference_decode(tiny_model, p, CASES[c], 1000 + c, N_TOKENS)
+            for c in range(len(CASES)) for p in PROMPTS}
+
+
+def make_backend(model: torch.nn.Module, backend: str) -> HFTarget | NativeTarget:
+    return HFTarget(model) if backend == "hf" else NativeTarget(model, None, max_slots=4, max_len=128)
+
+
+@pytest.mark.parametrize("backend", ["hf", "native"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_seeded_speculation_equals_reference_plain_decoding(tiny_model, sampled_references, backend, case):
+    """Drafts right for part of each block: the sampled output and every acceptance length are as predicted."""
+    refs = {p: ref for (c, p), ref in sampled_references.items() if c == case}
+    target = make_backend(tiny_model, backend)
+    engine = Engine(target, ScriptedDrafter(refs, BLOCK, target.vocab_size, pattern=PATTERN), eos_token_ids=[])
+    params = CASES[case]
+    ids = {engine.add_request(list(p), SamplingParams(**{**params.__dict__, "max_tokens": N_TOKENS,
+                                                         "seed": 1000 + case})): p for p in refs}
+    outs = run_all(engine)
+    expected_lengths = predicted_acceptance(N_TOKENS, BLOCK, PATTERN)
+    for rid, p in ids.items():
+        assert tokens(outs[rid]) == refs[p]
+        assert [s.acceptance_length for s in outs[rid] if not s.is_prefill] == expected_lengths
+
+
+@pytest.mark.parametrize("backend", ["hf", "native"])
+def test_seeded_speculation_with_argmax_draft_equals_reference(tiny_model, sampled_references, backend):
+    """A draft proposing the target's argmax, rejected whenever the sampled token differs: output still exact."""
+    target = make_backend(tiny_model, backend)
+    engine = Engine(target, OracleDrafter(tiny_model, 4), eos_token_ids=[])
+    ids = {}
+    for case in (0, 2):
+        for p in PROMPTS[1:]:
+            params = SamplingParams(**{**CASES[case].__dict__, "max_tokens": N_TOKENS, "seed": 1000 + case})
+            ids[engine.add_request(list(p), params)] = (case, tuple(p))
+    outs = run_all(engine)
+    for rid, key in ids.items():
+        assert tokens(outs[rid]) == sampled_references[key]
+    accepted = [engine.stats(rid).num_accepted_tokens for rid in ids]
+    drafted = [engine.stats(rid).num_draft_tokens for rid in ids]
+    assert 0 < sum(accepted) < sum(drafted)  # argmax drafts were both accepted and rejected
+
+
+# ---- the accepted tokens follow the exact target law ----
+
+DEPTH = 5  # tokens per request: the prefill's, then 4 from verify steps
+CHI_PARAMS = dict(temperature=1.0, top_k=3)  # three candidates per position: the exact law is a small tree
+CHI_PROMPT = [11, 12, 13]
+CHI_SAMPLES = 800
+
+
+@torch.inference_mode()
+def exact_tree(model: torch.nn.Module) -> dict[tuple[int, ...], tuple[list[int], list[float], int]]:
+    """For every reachable prefix of generated tokens: the support, its probabilities, and the raw argmax."""
+    tree, level = {}, [()]
+    for _ in range(DEPTH):
+        logits = model(torch.tensor([CHI_PROMPT + list(node) for node in level]), use_cache=False).logits[:, -1]
+        nxt = []
+        for node, row in zip(level, logits.tolist()):
+            probs = reference_probs(row, CHI_PARAMS["temperature"], CHI_PARAMS["top_k"])
+            support = [t for t, p in enumerate(probs) if p > 0]
+            tree[node] = (support, [probs[t] for t in support], max(range(len(row)), key=row.__getitem__))
+            nxt += [node + (t,) for t in support]
+        level = nxt
+    return tree
+
+
+class TreeArgmaxDrafter(OracleDrafter):
+    """Proposes the target's argmax continuation (read from the exact tree) for every request in one call."""
+
+    def __init__(self, tree: dict, block_size: int) -> None:
+        self.tree = tree
+        self.block_size = block_size
+
+    def propose(self, state: dict, last_token: int, position: int, n: int) -> list[int]:
+        if state["last"] is not None:
+            state["seq"] = (state["seq"] + [state["last"]] + state["proposals"])[:position]
+        state["last"] = last_token
+        node = tuple(state["seq"][len(CHI_PROMPT):] + [last_token])
+        proposals = []
+        for _ in range(n):
+            best = self.tree[node][2] if node in self.tree else 0
+            proposals.append(best)
+            node += (best,)
+        state["proposals"] = proposals
+        return proposals
+
+    def propose_batch(self, items: list) -> list[list[int]]:
+        return [self.propose(*item) for item in items]
+
+
+def test_accepted_tokens_follow_the_exact_target_law(tiny_model, record_property):
+    """Chi-square goodness of fit of the engine's 5-token outputs (distinct seeds) against the exact joint law,
+    and of each verified position's marginal. With temperature 1 the sampled token often differs from the argmax
+    draft, so an acceptance rule that lets an argmax draft through when it differs from the target's choice
+    skews these laws."""
+    from scipy.stats import chisquare
+
+    tree = exact_tree(tiny_model)
+    leaves: dict[tuple[int, ...], float] = {}
+
+    def walk(node: tuple[int, ...], prob: float) -> None:
+        if len(node) == DEPTH:
+            leaves[node] = prob
+            return
+        for t, p in zip(*tree[node][:2]):
+            walk(node + (t,), prob * p)
+
+    walk((), 1.0)
+    target = NativeTarget(tiny_model, None, max_slots=CHI_SAMPLES, max_len=len(CHI_PROMPT) + 2 * DEPTH + 2)
+    engine = Engine(target, TreeArgmaxDrafter(tree, DEPTH), eos_token_ids=[])
+    ids = [engine.add_request(CHI_PROMPT, SamplingParams(max_tokens=DEPTH, seed=s, **CHI_PARAMS))
+           for s in range(CHI_SAMPLES)]
+    outs = run_all(engine)
+    samples = Counter(tuple(tokens(outs[i])) for i in ids)
+    st = [engine.stats(i) for i in ids]
+    assert sum(s.num_accepted_tokens for s in st) > CHI_SAMPLES  # argmax drafts were accepted ...
+    assert sum(s.num_draft_tokens - s.num_accepted_tokens for s in st) > CHI_SAMPLES  # ... and rejected
+    assert all(seq in leaves for seq in samples), "an output the target law gives probability 0"
+
+    def p_value(observed: Counter, expected: dict) -> float:
+        big = [k for k, e in expected.items() if e * CHI_SAMPLES >= 5]
+        obs = [observed[k] for k in big] + [CHI_SAMPLES - sum(observed[k] for k in big)]
+        exp = [expected[k] for k in big] + [1.0 - sum(expected[k] for k in big)]
+        if exp[-1] * CHI_SAMPLES < 1e-9:
+            obs, exp = obs[:-1], exp[:-1]
+        total = sum(exp)
+        return float(chisquare(obs, [e * CHI_SAMPLES / total for e in exp]).pvalue)
+
+    p_values = {"joint": p_value(samples, leaves)}
+    for j in range(1, DEPTH):
+        observed, expected = Counter(), Counter()
+        for seq, count in samples.items():
+            observed[seq[j]] += count
+        for seq, prob in leaves.items():
+            expected[seq[j]] += prob
+        p_values[f"position {j}"] = p_value(observed, expected)
+    # how many verified tokens equal the argmax draft: the statistic a draft-favouring rule moves most
+
+    def argmax_hits(seq: tuple[int, ...]) -> int:
+        return sum(seq[j] == tree[seq[:j]][2] for j in range(1, DEPTH))
+
+    observed, expected = Counter(), Counter()
+    for seq, count in samples.items():
+        observed[argmax_hits(seq)] += count
+    for seq, prob in leaves.items():
+        expected[argmax_hits(seq)] += prob
+    p_values["argmax hits"] = p_value(observed, expected)
+    record_property("p_values", p_values)
+    assert min(p_values.values()) > 1e-3, p_values
