@@ -100,6 +100,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from dflash_core.cli_help import HelpFormatter
+
 SCHEMA_VERSION = 2  # 2: serve levels run in rounds (repeats, rounds, spread; config repeats, min_duration_s)
 SHIPPED_SETS = ("chat", "math", "code")
 DEFAULT_CONCURRENCY = (1, 2, 4, 8)
@@ -1658,23 +1660,6 @@ def resolve_output_dir(explicit: Path | None) -> Path:
 
 
 # ---- command line --------------------------------------------------------------------------------
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the description's line breaks and shows each option's default unless its help names one."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        default = action.default
-        if (
-            not action.option_strings
-            or "default" in text
-            or default is None
-            or default is False
-            or default is argparse.SUPPRESS
-        ):
-            return text
-        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
 def build_parser() -> argparse.ArgumentParser:

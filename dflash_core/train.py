@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from dflash_core.cli_help import HelpFormatter
 from dflash_core.config import DraftConfig, build_target_layer_ids
 from dflash_core.draft import DFlashDraft
 
@@ -48,23 +49,6 @@ class Example:
 
 
 # ---------------------------------------------------------------- arguments
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the description's line breaks and shows each option's default unless its help names one."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        default = action.default
-        if (
-            not action.option_strings
-            or "default" in text
-            or default is None
-            or default is False
-            or default is argparse.SUPPRESS
-        ):
-            return text
-        return f"{text} (default: %(default)s)"
 
 
 def build_parser() -> argparse.ArgumentParser:

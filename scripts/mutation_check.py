@@ -47,6 +47,7 @@ class Mutation:
 
 SAMPLING = "tests/test_sampling_reference.py"
 DRAFT_REF = "tests/test_draft_reference.py"
+DRAFT_FAULT = f"{DRAFT_REF}::test_failed_draft_forward_consumes_nothing"
 MATRIX = "tests/test_backends_matrix.py"
 ENGINE = "tests/test_engine.py"
 ACCEPT = "dflash_core/engine.py"
@@ -104,9 +105,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     m("draft_pending_cleared_before_forward", ACCEPT, "DFlashDrafter.propose_batch",
       "pending = [torch.cat(st.pending, dim=0) if st.pending else None for st, *_ in items]",
       "pending = [(torch.cat(st.pending, dim=0), st.pending.clear())[0] if st.pending else None "
-      "for st, *_ in items]", ENGINE),
+      "for st, *_ in items]", DRAFT_FAULT),
     m("draft_cache_not_rolled_back", ACCEPT, "DFlashDrafter.propose_batch",
-      "cache.length = rollback", "cache.length = cache.length", ENGINE),
+      "cache.length = rollback", "cache.length = cache.length", DRAFT_FAULT),
     # training and the server
     m("train_zero_gradients", "dflash_core/train.py", "train",
       "        loss.backward()\n", "        (loss * 0).backward()\n", "tests/test_train_learns.py"),

@@ -36,9 +36,10 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from uvicorn.server import ServerState as UvicornState
 
 import dflash_core  # noqa: F401  # before server.app loads torch: sets OMP_WAIT_POLICY=PASSIVE (see its docstring)
-from server.app import RETRY_AFTER_S, ServerState, create_app
+from server.app import ServerState, create_app
 from server.logs import setup_logging
-from server.settings import Settings, resolve_settings
+from server.parsing import RETRY_AFTER_S
+from server.settings import Settings, read_yaml, resolve_settings
 
 log = logging.getLogger("dflash.server")
 FLUSH_S = 5.0  # after the shutdown timeout: time for failed requests' last bytes, then for uvicorn to close
@@ -168,11 +169,18 @@ def http_protocol(header_timeout: float) -> type[asyncio.Protocol]:
     return type("DflashHTTPProtocol", (_HeaderTimeout, AutoHTTPProtocol), {"header_timeout": header_timeout})
 
 
+def _is_health(scope: dict[str, Any]) -> bool:
+    """``GET /health`` (or HEAD), which the connection limit never refuses."""
+    return scope.get("path") == "/health" and scope.get("method") in ("GET", "HEAD")
+
+
 class ConnectionLimit:
     """ASGI middleware: beyond ``limit`` open connections or requests in progress, a fast 503 envelope.
 
     Like uvicorn's ``limit_concurrency`` (idle keep-alive connections count), but the answer is the OpenAI error
     envelope with ``Retry-After`` and ``Connection: close``, and the limit admits ``limit`` connections.
+    ``GET /health`` is never refused (it still counts): it is cheap, and a liveness probe that a connection
+    flood turned into 503s would have the orchestrator restart a healthy server.
     """
 
     def __init__(self, app: Any, limit: int, uvicorn_state: Callable[[], UvicornState]) -> None:
@@ -192,7 +200,7 @@ class ConnectionLimit:
         self._body = json.dumps(body).encode()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
+        if scope["type"] == "http" and not _is_health(scope):
             st = self._uvicorn_state()
             if len(st.connections) > self.limit or len(st.tasks) > self.limit:
                 self._warn(len(st.connections))
@@ -302,12 +310,32 @@ class DflashServer(uvicorn.Server):
         log.info("drained: shutting down")
 
 
+_TRUE = ("1", "true", "yes", "on")
+
+
 def _wants_json(argv: Sequence[str]) -> bool:
-    """Whether --log-json was asked for, read from the raw flags and environment (the settings did not parse)."""
+    """Whether --log-json was asked for, read from the raw flags, environment and YAML config (the settings did
+    not parse; same precedence)."""
     flags = [a for a in argv if a in ("--log-json", "--no-log-json")]
     if flags:
         return flags[-1] == "--log-json"
-    return os.environ.get("DFLASH_LOG_JSON", "").strip().lower() in ("1", "true", "yes", "on")
+    env = os.environ.get("DFLASH_LOG_JSON")
+    if env is not None:
+        return env.strip().lower() in _TRUE
+    config = os.environ.get("DFLASH_CONFIG")
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            config = argv[i + 1]
+        elif arg.startswith("--config="):
+            config = arg.partition("=")[2]
+    if not config:
+        return False
+    try:
+        data = read_yaml(config)
+    except (ValueError, OSError):
+        return False
+    value = data.get("log_json") if isinstance(data, dict) else None
+    return value is True or str(value).strip().lower() in _TRUE
 
 
 # --- main ----------------------------------------------------------------------------------------------------

@@ -11,8 +11,9 @@ once, after a cheap check that refuses text that cannot fit the context (``serve
 
 Streams send their headers and a ``: ping`` comment at once (after ``STREAM_HEADERS_GRACE_S`` at most, during
 which an early failure is still a plain HTTP error), then one ``data:`` event per engine step, a comment every
-``sse_ping_interval`` seconds while quiet (queued, prefilling) so that idle-timeout proxies keep the connection,
-and ``data: [DONE]``. Errors after the headers are an error event followed by ``data: [DONE]``.
+``sse_ping_interval`` seconds (sent whether or not data flows, so that idle-timeout proxies keep a queued or
+prefilling stream), and ``data: [DONE]``. Errors after the headers are an error event followed by ``data: [DONE]``.
+A client that stops reading is dropped, and its requests aborted, once a send has waited ``SSE_SEND_TIMEOUT_S``.
 
 Internal errors (500) carry a generic message with the request id; the details go to the log.
 """
@@ -36,16 +37,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
-from sse_starlette.sse import AppStatus
+from sse_starlette.sse import AppStatus, SendTimeoutError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from dflash_core.loading import DEMO_DRAFT, DEMO_TARGET, LoadedModels, load_models
 from dflash_core.sampling import SamplingParams
 from server import __version__
 from server.detokenize import TokenStrings
 from server.metrics import ServerMetrics
-from server.parsing import Limiter, ParsePool
+from server.parsing import RETRY_AFTER_S, Limiter, ParsePool, is_cheap
 from server.prompts import PromptBuilder
 from server.protocol import (
     APIError,
@@ -65,8 +67,7 @@ log = logging.getLogger("dflash.server")
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 DRAIN_BODY_BYTES = 64 * 1024 * 1024  # beyond the limit, read (and drop) this much so the client sees the 413
-RETRY_AFTER_S = 1
-SSE_PING_S = 15.0  # keep-alive comment interval of quiet streams, unless settings.sse_ping_interval says otherwise
+SSE_SEND_TIMEOUT_S = 60.0  # a stream whose client has not taken a chunk for this long is aborted
 STREAM_HEADERS_GRACE_S = 0.1  # a stream waits this long for its first event before it sends its headers
 TOKENIZE_LIMIT_CHARS = 32 * 1024  # prompts longer than this take one of TOKENIZE_CONCURRENCY slots
 TOKENIZE_CONCURRENCY = max(2, min(8, (os.cpu_count() or 2) // 2))
@@ -103,7 +104,7 @@ class ServerState:
     def install(self, models: LoadedModels) -> None:
         """Start serving ``models``: metrics, worker thread."""
         s = self.settings
-        self.served_model_name = s.served_model_name or default_model_name(models.target_name)
+        self.served_model_name = s.served_model_name or display_name(models.target_name)
         self.metrics = ServerMetrics(
             block_size=models.block_size,
             target=display_name(models.target_name),
@@ -165,7 +166,8 @@ class ServerState:
 
 
 def display_name(name: str | None) -> str:
-    """A model's name for metrics and /v1/models: the folder's name (not its path) or the hub id."""
+    """A model's name for metrics and /v1/models (and the default API name): the folder's name, not its path,
+    ``dflash-demo`` for the demo models, or the hub id."""
     if not name:
         return ""
     path = Path(name).expanduser()
@@ -177,16 +179,6 @@ def display_name(name: str | None) -> str:
     if resolved == DEMO_DRAFT.resolve():
         return "dflash-demo-draft"
     return resolved.name
-
-
-def default_model_name(target: str) -> str:
-    """The API's model name when none is configured: the target's folder name (or hub id)."""
-    path = Path(target)
-    if path.exists():
-        if path.resolve() == DEMO_TARGET.resolve():
-            return "dflash-demo"
-        return path.resolve().name
-    return target
 
 
 def create_app(
@@ -261,11 +253,37 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         return JSONResponse(error_body(str(e), "invalid_request_error"), status_code=400)
 
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, e: Exception) -> JSONResponse:
-        rid = _request_id(request)
-        log.error("request %s: unhandled error on %s %s", rid, request.method, request.url.path, exc_info=e)
-        return _error_response(_internal(rid))
+    # Not an ``Exception`` handler: Starlette's ServerErrorMiddleware re-raises after calling it, and uvicorn
+    # would log the error a second time, without the request id.
+    app.add_middleware(_InternalErrors)
+
+
+class _InternalErrors:
+    """ASGI middleware: an unhandled exception is logged once, with the request id, and answered with a 500."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as e:
+            if started:  # too late for a 500: uvicorn closes the connection (and logs it)
+                raise
+            request = Request(scope)
+            rid = _request_id(request)
+            log.error("request %s: unhandled error on %s %s", rid, request.method, request.url.path, exc_info=e)
+            await _error_response(_internal(rid))(scope, receive, send)
 
 
 def _request_id(request: Request) -> str:
@@ -377,9 +395,10 @@ def _check_model(state: ServerState, name: str) -> None:
 # --- request preparation -----------------------------------------------------------------------------------
 
 
-async def _prepare(state: ServerState, size: int, fn: Callable[..., Any], *args: Any) -> Any:
-    """Run tokenization ``fn(*args)`` in the thread pool; a prompt over TOKENIZE_LIMIT_CHARS takes a slot."""
-    if size <= TOKENIZE_LIMIT_CHARS:
+async def _prepare(state: ServerState, size: int, big: bool, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run tokenization ``fn(*args)`` in the thread pool; a prompt over TOKENIZE_LIMIT_CHARS, or from a ``big``
+    body (one that went to a parse helper), takes a slot."""
+    if size <= TOKENIZE_LIMIT_CHARS and not big:
         return await run_in_threadpool(fn, *args)
     async with state.tokenize_limiter:
         return await run_in_threadpool(fn, *args)
@@ -585,11 +604,13 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         await _check_content_type(request)
         models, worker = _check_ready(state)
         max_model_len = models.engine.max_model_len
-        req = await state.parser.parse("chat", await _read_body(request), max_model_len)
+        body = await _read_body(request)
+        req = await state.parser.parse("chat", body, max_model_len)
         assert isinstance(req, ChatCompletionRequest) and state.prompts is not None
         _check_model(state, req.model)
-        size = sum(len(m.text()) for m in req.messages)
-        prompt = await _prepare(state, size, state.prompts.chat, req)
+        # every message and part costs template work even when empty: they count like characters
+        size = sum(len(m.text()) + 1 + (len(m.content) if isinstance(m.content, list) else 0) for m in req.messages)
+        prompt = await _prepare(state, size, not is_cheap(body), state.prompts.chat, req)
         max_tokens = resolve_max_tokens(req.requested_max_tokens(), len(prompt), max_model_len, "messages")
         params = [_sampling(req, max_tokens, req.num_logprobs(), i) for i in range(req.n)]
         run = _start_run(worker, request, rid, [prompt], [params], req.stop_list())
@@ -602,11 +623,12 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         await _check_content_type(request)
         models, worker = _check_ready(state)
         max_model_len = models.engine.max_model_len
-        req = await state.parser.parse("completion", await _read_body(request), max_model_len)
+        body = await _read_body(request)
+        req = await state.parser.parse("completion", body, max_model_len)
         assert isinstance(req, CompletionRequest) and state.prompts is not None
         _check_model(state, req.model)
         size = sum(len(p) for p in req.prompts() if isinstance(p, str))
-        prompts = await _prepare(state, size, state.prompts.completions, req)
+        prompts = await _prepare(state, size, not is_cheap(body), state.prompts.completions, req)
         params = []
         for prompt in prompts:
             max_tokens = resolve_max_tokens(req.max_tokens, len(prompt), max_model_len, "prompt")
@@ -648,12 +670,10 @@ async def _respond(
         return _error_response(_CLIENT_GONE)
     fmt = _Formatter(state, rid, kind, req)
     if req.stream:
-        return EventSourceResponse(
+        return _event_stream(
             _stream(run, fmt, rid, req.include_usage(), prompt_tokens, announce=first is None),
-            headers={"Cache-Control": "no-cache"},
-            ping=getattr(state.settings, "sse_ping_interval", SSE_PING_S),
-            sep="\n",
-            ping_message_factory=_ping,
+            state.settings.sse_ping_interval,
+            rid,
         )
     choices: dict[int, _Choice] = {h.index: _Choice() for h in run.handles}
     try:
@@ -667,6 +687,32 @@ async def _respond(
     if any(c.finish_reason == "abort" for c in choices.values()):
         return _error_response(_CLIENT_GONE)
     return JSONResponse(fmt.final(choices, prompt_tokens))
+
+
+class _EventStream(EventSourceResponse):
+    """An SSE response that ends quietly (one log line) when its client stops reading."""
+
+    rid = ""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except SendTimeoutError:  # the body iterator was closed first: its requests are aborted
+            log.info("request %s: the client took no data for %.0f s; stream aborted", self.rid, self.send_timeout)
+
+
+def _event_stream(body: AsyncIterator[bytes], ping_s: float, rid: str) -> EventSourceResponse:
+    """The SSE response of ``body``: ``: ping`` comments every ``ping_s`` seconds, sends bounded in time."""
+    response = _EventStream(
+        body,
+        headers={"Cache-Control": "no-cache"},
+        ping=ping_s,
+        sep="\n",
+        ping_message_factory=_ping,
+        send_timeout=SSE_SEND_TIMEOUT_S,
+    )
+    response.rid = rid
+    return response
 
 
 async def _stream(

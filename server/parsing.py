@@ -6,7 +6,10 @@ and parsed in place; a body that is big, or has many JSON values (counted from i
 bound), goes to a helper process (``python -m server.parsing``) that parses and validates it and sends the
 request object back pickled. Token-id prompts that cannot fit the context are refused in the helper, so what
 comes back is bounded by what can run. Helpers start on first use, at most ``PARSE_PROCESSES`` at once, at a
-lower CPU priority than the server.
+lower CPU priority than the server, in the package's parent folder (so that ``-m server.parsing`` finds this
+package, never a ``server/`` folder where the server was started). A helper that has died is replaced (once per
+parse, even mid-exchange); one that takes over ``PARSE_TIMEOUT_S`` is killed and the client gets a 503. What a
+helper writes to stderr goes to the server's log, one record per line (so ``--log-json`` stays JSON).
 
 ``Limiter`` bounds work in flight (helper parses, long tokenizations): at most ``active`` at once, ``waiting``
 more in line, and a 429 beyond.
@@ -20,6 +23,7 @@ import logging
 import os
 import pickle
 import sys
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -32,8 +36,12 @@ INLINE_MAX_VALUES = 2000
 PARSE_PROCESSES = 2
 PARSE_MAX_WAITING = 64
 HELPER_NICE = 10  # a helper yields the CPU to the server (a hostile body must not slow everyone's tokens)
-RETRY_AFTER_S = 1
+PARSE_TIMEOUT_S = 30.0  # a helper that takes longer with one body is killed
+RETRY_AFTER_S = 1  # the Retry-After of every 429 / 503 of the server
 _HEADER = 8  # bytes of the length prefix of each message between the server and a helper
+_PACKAGE_PARENT = Path(__file__).resolve().parent.parent  # the helper's cwd: `-m server.parsing` finds us
+_STDERR_LINE_CHARS = 2000
+_HELPER_GONE = (ConnectionError, asyncio.IncompleteReadError)  # the helper died (killed, out of memory, ...)
 
 
 class Limiter:
@@ -83,10 +91,11 @@ def is_cheap(body: bytes) -> bool:
 
 
 class _Helper:
-    """One ``python -m server.parsing`` process: one request at a time."""
+    """One ``python -m server.parsing`` process: one request at a time; its stderr goes to the log."""
 
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
+        self._stderr = asyncio.create_task(self._log_stderr())
 
     @classmethod
     async def start(cls) -> _Helper:
@@ -96,12 +105,25 @@ class _Helper:
             "server.parsing",
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
-            # failures come back as replies; stray output would break --log-json
-            stderr=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,  # read line by line into the log (_log_stderr), never left to fill
+            cwd=_PACKAGE_PARENT,
             # its own session: a Ctrl+C in the server's terminal must not kill it mid-drain
             start_new_session=True,
         )
         return cls(proc)
+
+    @property
+    def alive(self) -> bool:
+        """Not known to have exited."""
+        return self.proc.returncode is None
+
+    async def _log_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        with contextlib.suppress(Exception):
+            async for line in self.proc.stderr:
+                text = line.decode(errors="replace").rstrip()
+                if text:
+                    log.warning("parse helper %d: %s", self.proc.pid, text[:_STDERR_LINE_CHARS])
 
     async def parse(self, kind: str, body: bytes, max_model_len: int | None) -> Any:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -128,6 +150,8 @@ class _Helper:
         except TimeoutError:
             self.kill()
             await self.proc.wait()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stderr, 1.0)
 
 
 class ParsePool:
@@ -138,26 +162,58 @@ class ParsePool:
         self._idle: list[_Helper] = []
         self._closed = False
 
+    async def _helper(self) -> _Helper:
+        """An idle helper that is still alive, or a new one."""
+        while self._idle:
+            helper = self._idle.pop()
+            if helper.alive:
+                return helper
+            log.warning("parse helper %d exited (%s) while idle; starting another", helper.proc.pid,
+                        helper.proc.returncode)
+        return await _Helper.start()
+
     async def parse(
         self, kind: str, body: bytes, max_model_len: int | None
     ) -> ChatCompletionRequest | CompletionRequest:
-        """The validated request (APIError 400 for a bad body, 429 when too many big bodies wait)."""
+        """The validated request (APIError 400 for a bad body, 429 when too many big bodies wait, 503 when a
+        helper takes over ``PARSE_TIMEOUT_S``)."""
         if is_cheap(body):
             return parse_request(kind, body, max_model_len)
         async with self.limiter:
-            helper = self._idle.pop() if self._idle else await _Helper.start()
-            ok = False
-            try:
-                result = await helper.parse(kind, body, max_model_len)
-                ok = True
-            except APIError:
-                ok = True  # a clean answer: the helper is in step
-                raise
-            finally:
-                if ok and not self._closed:
-                    self._idle.append(helper)
-                else:  # cancelled mid-exchange, or the helper died: never reuse it
-                    helper.kill()
+            for attempt in (1, 2):
+                helper = await self._helper()
+                try:
+                    return await self._parse_with(helper, kind, body, max_model_len)
+                except _HELPER_GONE:
+                    if attempt == 2:
+                        raise
+                    log.warning("parse helper %d died mid-parse (%s); retrying with another", helper.proc.pid,
+                                helper.proc.returncode)
+        raise AssertionError("unreachable")
+
+    async def _parse_with(self, helper: _Helper, kind: str, body: bytes, max_model_len: int | None) -> Any:
+        ok = False
+        try:
+            result = await asyncio.wait_for(helper.parse(kind, body, max_model_len), PARSE_TIMEOUT_S)
+            ok = True
+        except APIError:
+            ok = True  # a clean answer: the helper is in step
+            raise
+        except TimeoutError:
+            log.warning("parse helper %d took over %.0f s with a %d-byte body: killed", helper.proc.pid,
+                        PARSE_TIMEOUT_S, len(body))
+            raise APIError(
+                503,
+                f"parsing the request body took over {PARSE_TIMEOUT_S:.0f} s; retry later",
+                type="service_unavailable",
+                code="parse_timeout",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
+        finally:
+            if ok and not self._closed:
+                self._idle.append(helper)
+            else:  # timed out, cancelled mid-exchange, or the helper died: never reuse it
+                helper.kill()
         return result
 
     async def close(self) -> None:

@@ -10,8 +10,10 @@ Otherwise the text is split at the sentinels: template parts are tokenized with 
 plain text. A template that changes content (e.g. strips a reasoning block) cannot be split that way; such a
 request is refused with a 400. Plain text is encoded by a private copy of the Rust tokenizer whose
 ``encode_special_tokens`` is always on: transformers' ``split_special_tokens=True`` flips that flag on the shared
-tokenizer, which would race with tokenizations in other threads. ``allow_special_tokens`` turns all of this off.
-Strings in ``chat_template_kwargs`` are the operator's business and not treated specially.
+tokenizer, which would race with tokenizations in other threads. ``chat_template_kwargs`` reach the template
+beside the messages and over the tokenizer's ``special_tokens_map`` (``bos_token``, ...), so a kwarg named like a
+special token, or a string in one that contains special-token text, is refused with a 400.
+``allow_special_tokens`` turns all of this off.
 
 Completion prompts are the client's raw prompt, with no template and no turns to forge: special-token text in them
 is tokenized as special tokens, as vLLM does.
@@ -155,6 +157,36 @@ def _plain_text_encoder(tokenizer: Any) -> Any:
     return plain
 
 
+def _special_token_texts(tokenizer: Any) -> tuple[str, ...]:
+    """The texts of the tokenizer's special tokens (added tokens not marked special, which may be plain
+    whitespace, are left alone, as in message content)."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    texts = {str(t.content) for t in decoder.values() if getattr(t, "special", False) and hasattr(t, "content")}
+    texts.update(str(t) for t in getattr(tokenizer, "all_special_tokens", None) or [])
+    return tuple(sorted(t for t in texts if t))
+
+
+def _special_kwarg_names(tokenizer: Any) -> frozenset[str]:
+    """Template variables that transformers fills from the tokenizer (``bos_token``, ...): no kwarg may set them."""
+    names = set(getattr(tokenizer, "special_tokens_map", None) or {})
+    names.update(getattr(tokenizer, "SPECIAL_TOKENS_ATTRIBUTES", None) or [])
+    return frozenset(names)
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a JSON value (dict keys included)."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            yield v
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+
+
 def special_token_ids(tokenizer: Any) -> frozenset[int]:
     """Ids of the added tokens marked special: the ones ``split_special_tokens`` tokenizes as plain text."""
     decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
@@ -172,6 +204,25 @@ class PromptBuilder:
         self.special_ids = special_token_ids(tokenizer)
         self.vocab_size = len(tokenizer)
         self._plain = _plain_text_encoder(tokenizer) if self.special_ids else None
+        self._token_texts = _special_token_texts(tokenizer)
+        self._special_names = _special_kwarg_names(tokenizer)
+
+    def check_template_kwargs(self, kwargs: dict[str, Any]) -> None:
+        """400 for kwargs that would put special tokens in the prompt: a special-token name, or its text."""
+        if self.allow_special_tokens:
+            return
+        forged = sorted(set(kwargs) & self._special_names)
+        if forged:
+            raise APIError(
+                400, f"chat_template_kwargs may not set {', '.join(forged)}", param="chat_template_kwargs"
+            )
+        for text in _strings(kwargs):
+            token = next((t for t in self._token_texts if t in text), None)
+            if token is not None:
+                raise APIError(
+                    400, f"chat_template_kwargs may not contain special-token text ({token!r})",
+                    param="chat_template_kwargs",
+                )
 
     # --- the cheap bound -----------------------------------------------------------------------------------
 
@@ -204,6 +255,7 @@ class PromptBuilder:
         bad = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
         if bad:
             raise APIError(400, f"chat_template_kwargs may not set {', '.join(bad)}", param="chat_template_kwargs")
+        self.check_template_kwargs(kwargs)
         kwargs.setdefault("add_generation_prompt", True)
         messages: list[dict[str, Any]] = []
         for m in req.messages:

@@ -13,17 +13,26 @@ draft), ``num_draft_tokens``, ``num_accepted_tokens`` and ``mean_acceptance_leng
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 MAX_N = 8
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64
+MAX_MESSAGES = 4096  # each message renders to at least one token: more cannot fit any context we serve
+MAX_CONTENT_PARTS = 4096  # text parts over all messages (an empty part renders to nothing, so a fixed cap)
 
 
 class APIError(Exception):
@@ -233,7 +242,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="before")
     @classmethod
-    def _unsupported(cls, data: Any) -> Any:
+    def _unsupported(cls, data: Any, info: ValidationInfo) -> Any:
+        _check_message_count(data, (info.context or {}).get("max_model_len"))
         return _drop_neutral(data, _CHAT_UNSUPPORTED)
 
     @model_validator(mode="after")
@@ -249,6 +259,25 @@ class ChatCompletionRequest(_SamplingFields):
     def num_logprobs(self) -> int | None:
         """Top alternatives per token, or None when logprobs are off."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def _check_message_count(data: Any, max_model_len: int | None) -> None:
+    """Refuse, before validating them one by one, more messages or content parts than can fit (APIError 400)."""
+    messages = data.get("messages") if isinstance(data, dict) else None
+    if not isinstance(messages, list):
+        return
+    limit = MAX_MESSAGES if max_model_len is None else min(MAX_MESSAGES, max_model_len)
+    if len(messages) > limit:
+        raise APIError(
+            400,
+            f"{len(messages)} messages cannot fit: each takes at least one token, and at most {limit} are "
+            f"accepted (maximum context length {max_model_len or 'unknown'} tokens)",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    parts = sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list))
+    if parts > MAX_CONTENT_PARTS:
+        raise APIError(400, f"at most {MAX_CONTENT_PARTS} content parts per request (got {parts})", param="messages")
 
 
 class CompletionRequest(_SamplingFields):
@@ -320,13 +349,13 @@ def parse_request(
 ) -> ChatCompletionRequest | CompletionRequest:
     """Parse and validate a JSON body (``kind``: "chat" or "completion"); APIError 400 on any problem.
 
-    With ``max_model_len``, token-id prompts that cannot fit the context are refused here as well, so that a
-    parse helper process never sends millions of token ids back only for them to be refused.
+    With ``max_model_len``, token-id prompts and message lists that cannot fit the context are refused here as
+    well, so that a parse helper process never sends millions of objects back only for them to be refused.
     """
     if not body.strip():
         raise APIError(400, "request body is empty; expected a JSON object")
     try:
-        req = REQUEST_MODELS[kind].model_validate_json(body)
+        req = REQUEST_MODELS[kind].model_validate_json(body, context={"max_model_len": max_model_len})
     except ValidationError as e:
         raise validation_error_to_api(e) from None
     if max_model_len is not None and isinstance(req, CompletionRequest):
@@ -382,11 +411,6 @@ def check_min_prompt_tokens(
         param=prompt_param,
         code="context_length_exceeded",
     )
-
-
-def min_tokens_for(chars: int, max_chars_per_token: float) -> int:
-    """A lower bound on the tokens of ``chars`` characters when no token covers more than ``max_chars_per_token``."""
-    return math.ceil(chars / max_chars_per_token) if max_chars_per_token > 0 else 0
 
 
 def request_schemas() -> dict[str, Any]:

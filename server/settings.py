@@ -10,7 +10,7 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 
@@ -161,10 +161,30 @@ def convert(name: str, raw: Any, source: str) -> Any:
     return str(raw)
 
 
+class UsageError(ValueError):
+    """A command line argparse cannot parse (unknown flag, missing value): one line, exit 2, like bad values."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors raise UsageError instead of printing the usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        """Raise instead of printing the whole usage (``--help`` is unchanged)."""
+        raise UsageError(message)
+
+
+def read_yaml(path: str) -> Any:
+    """The parsed YAML file (ValueError, in one line, for malformed YAML)."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            return yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: malformed YAML: {' '.join(str(e).split())}") from None
+
+
 def load_yaml(path: str) -> dict[str, Any]:
     """Read a YAML config; unknown keys are an error (catches typos)."""
-    with open(path, encoding="utf-8") as f:
-        data = yaml.safe_load(f) or {}
+    data = read_yaml(path) or {}
     if not isinstance(data, dict):
         raise TypeError(f"{path}: expected a mapping of setting names to values")
     unknown = sorted(set(data) - set(_FIELDS))
@@ -175,7 +195,7 @@ def load_yaml(path: str) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``dflash-serve`` command line: one flag per setting plus ``--config``."""
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="dflash-serve",
         description="OpenAI-compatible server with DFlash speculative decoding. "
         "Precedence: flag > DFLASH_* environment > --config YAML > default.",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -20,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from tests.server_fixtures import REPO, SERVED_NAME, ServerProcess, free_port
+from tests.server_fixtures import SERVED_NAME, ServerProcess, start_server
 
 GATE_ENV = "DFLASH_TEST_GATE"
 CHAT = [{"role": "user", "content": "Say hi."}]
@@ -50,18 +49,7 @@ def engine_requests(path: Path) -> int:
 
 def start_gated_server(args: list[str], log: Path, gate: Path) -> ServerProcess:
     """``tests.server_fixtures.start_server``, through this module, with the gate file at ``gate``."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
-    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", GATE_ENV: str(gate)})
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.engine_gate", *args, "--host", "127.0.0.1", "--port", str(port)],
-            cwd=REPO,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    return ServerProcess(proc, port, log)
+    return start_server(args, log, env={GATE_ENV: str(gate)}, module="tests.engine_gate")
 
 
 def chat(stream: bool, max_tokens: int) -> dict[str, Any]:

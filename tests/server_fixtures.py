@@ -155,8 +155,13 @@ class ServerProcess:
         return stop_process(self.proc, timeout_s)
 
 
-def start_server(args: list[str], log: Path, env: dict[str, str] | None = None) -> ServerProcess:
-    """Start ``python -m server ARGS --port <free>`` (does not wait for readiness); ``env`` adds variables."""
+def start_server(
+    args: list[str], log: Path, env: dict[str, str] | None = None, module: str = "server"
+) -> ServerProcess:
+    """Start ``python -m MODULE ARGS --port <free>`` (does not wait for readiness); ``env`` adds variables.
+
+    ``module`` is ``server`` (what ``dflash-serve`` runs) or a test wrapper of it such as ``tests.engine_gate``.
+    """
     port = free_port()
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
     full_env["PYTHONUNBUFFERED"] = "1"
@@ -166,7 +171,7 @@ def start_server(args: list[str], log: Path, env: dict[str, str] | None = None) 
     full_env.update(env or {})
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "server", *args, "--host", "127.0.0.1", "--port", str(port)],
+            [sys.executable, "-m", module, *args, "--host", "127.0.0.1", "--port", str(port)],
             cwd=REPO,
             env=full_env,
             stdout=out,

@@ -1,6 +1,7 @@
 """Connection limits on a real ``python -m server`` on 127.0.0.1: a fast 503 beyond ``--limit-concurrency``,
 idle and slow-header connections closed after ``--header-timeout`` (never a request in progress), keep-alive
-connections closed after ``--keep-alive-timeout``, and ``/health`` back to 200 once the connections are gone.
+connections closed after ``--keep-alive-timeout``, requests admitted again once the connections are gone, and
+``GET /health`` never refused (a liveness probe must not fail because of a connection flood).
 
 The requests that hold connections are streams whose engine a test gate (tests/engine_gate.py) holds still.
 """
@@ -87,10 +88,14 @@ def health(server: ServerProcess) -> httpx.Response:
     return httpx.get(f"{server.url}/health", timeout=BOUND_S)
 
 
-def poll_health(server: ServerProcess, status: int) -> httpx.Response:
+def version(server: ServerProcess) -> httpx.Response:
+    return httpx.get(f"{server.url}/version", timeout=BOUND_S)
+
+
+def poll_version(server: ServerProcess, status: int) -> httpx.Response:
     deadline = time.monotonic() + BOUND_S
-    while (r := health(server)).status_code != status:
-        assert time.monotonic() < deadline, f"/health never answered {status}:\n{server.log_tail()}"
+    while (r := version(server)).status_code != status:
+        assert time.monotonic() < deadline, f"/version never answered {status}:\n{server.log_tail()}"
         time.sleep(0.05)
     return r
 
@@ -101,15 +106,17 @@ def test_limit_answers_503_fast_and_header_timeout_frees_idle_connections(gated:
     idle = [connect(server) for _ in range(2)]  # connected, silent
     slow = connect(server, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # headers that never end
     try:
-        refused = health(server)  # one connection beyond the limit: refused at once, not queued
+        refused = version(server)  # one connection beyond the limit: refused at once, not queued
         assert refused.status_code == 503, refused.text
         assert refused.headers["retry-after"] == "1"
         assert refused.headers["connection"] == "close"
         assert refused.json()["error"]["code"] == "too_many_connections"
+        live = health(server)  # ... but never the liveness probe
+        assert live.status_code == 200 and live.json()["status"] == "ok", live.text
 
         for s in [*idle, slow]:
             wait_closed_by_server(s)  # the header timeout
-        assert health(server).status_code == 503  # the held requests still fill the limit
+        assert version(server).status_code == 503  # the held requests still fill the limit
         assert all(t.is_alive() for t in held), "the header timeout cut a request in progress"
     finally:
         for s in [*idle, slow]:
@@ -118,8 +125,8 @@ def test_limit_answers_503_fast_and_header_timeout_frees_idle_connections(gated:
     for t in held:  # they run to their end: the header timeout never touched them
         t.join(BOUND_S)
         assert t.error is None and t.events[-1] == "[DONE]", (t.error, t.events[-2:])
-    ok = poll_health(server, 200)  # their connections are gone
-    assert ok.json()["status"] == "ok"
+    poll_version(server, 200)  # their connections are gone
+    assert health(server).json() == {"status": "ok", "running": 0, "waiting": 0}
 
 
 def test_keep_alive_connection_closes_after_the_keep_alive_timeout(gated: Gated) -> None:

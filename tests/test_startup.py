@@ -77,6 +77,47 @@ def test_bad_setting_is_one_line_and_exit_2(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    ("args", "config", "message"),
+    [
+        (["--frobnicate"], None, "unrecognized arguments: --frobnicate"),
+        (["--port"], None, "argument --port: expected one argument"),
+        (["--config", "{c}"], "port: [\n", "malformed YAML"),
+    ],
+)
+def test_usage_errors_are_one_line_and_exit_2(
+    args: list[str], config: str | None, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from server.__main__ import main
+
+    path = tmp_path / "c.yaml"
+    if config is not None:
+        path.write_text(config)
+    assert main([a.format(c=path) for a in args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dflash-serve: error: ") and message in err[0], err
+
+
+def test_help_is_still_the_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    from server.settings import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--help"])
+    assert e.value.code == 0 and "--sse-ping-interval" in capsys.readouterr().out
+
+
+def test_log_json_from_the_yaml_config_applies_to_setting_errors(tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("log_json: true\nport: eighty\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
+    for args, extra in ((["--config", str(config)], {}), ([], {"DFLASH_CONFIG": str(config)})):
+        out = subprocess.run([sys.executable, "-m", "server", *args], cwd=REPO, env=env | extra,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2
+        (line,) = out.stderr.strip().splitlines()
+        assert json.loads(line)["level"] == "ERROR" and "eighty" in line
+
+
 @pytest.mark.parametrize("level", ["info", "debug"])
 def test_load_failure_traceback_only_at_debug(
     pair: tuple[Path, Path], level: str, caplog: pytest.LogCaptureFixture
