@@ -23,7 +23,7 @@ TORCH_INDEX_URL=${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}
 START_TIMEOUT=${START_TIMEOUT:-300}
 NAME="dflash-smoke-$$"
 BASE="http://127.0.0.1:${PORT}"
-PROMPT='What is 12 kilograms in grams?'   # the demo pair answers it: "... = 12000 grams."
+PROMPT='Convert 5 kilometers to meters.'   # the demo pair answers it: "... = 5000 meters."
 
 step() { printf '\n== %s\n' "$*"; }
 fail() {
@@ -70,7 +70,7 @@ body=$(printf '{"model": "dflash-demo", "messages": [{"role": "user", "content":
 chat=$(curl -fsS "$BASE/v1/chat/completions" -H 'Content-Type: application/json' -d "$body")
 echo "$chat"
 case "$chat" in *'"finish_reason":"stop"'*) ;; *) fail "chat: no finish_reason stop" ;; esac
-case "$chat" in *12000*) ;; *) fail "chat: the answer lacks 12000" ;; esac
+case "$chat" in *5000*) ;; *) fail "chat: the answer lacks 5000" ;; esac
 case "$chat" in *'"mean_acceptance_length"'*) ;; *) fail "chat: no dflash summary" ;; esac
 
 step "streamed chat completion"

@@ -338,7 +338,7 @@ def test_smoke_script_checks_what_it_promises() -> None:
 # ---- README ------------------------------------------------------------------------------------
 
 README = (REPO / "README.md").read_text()
-DEMO_PROMPT = "What is 12 kilograms in grams?"
+DEMO_PROMPT = "Convert 5 kilometers to meters."
 
 
 def test_readme_install_commands() -> None:
@@ -377,7 +377,7 @@ def test_readme_examples_use_a_prompt_the_demo_answers() -> None:
             out += o.new_token_ids
     engine.release(rid)
     text = tok.decode(out, skip_special_tokens=True)
-    assert text.strip() == expected and "12000 grams" in text
+    assert text.strip() == expected and "5000 meters" in text
 
 
 def test_readme_memory_table_is_computed() -> None:

@@ -27,7 +27,7 @@ def demo_server(tmp_path_factory):
 def test_default_command_serves_the_demo_pair(demo_server):
     client = OpenAI(base_url=f"{demo_server.url}/v1", api_key="unused")
     assert [m.id for m in client.models.list().data] == ["dflash-demo"]
-    messages = [{"role": "user", "content": "What is 12 + 30?"}]
+    messages = [{"role": "user", "content": "Convert 5 kilometers to meters."}]
     r = client.chat.completions.create(model="dflash-demo", messages=messages, max_tokens=64, temperature=0)
     text = r.choices[0].message.content
     assert text and r.usage.completion_tokens > 0
@@ -47,7 +47,7 @@ def test_default_command_serves_the_demo_pair(demo_server):
 
 
 def test_readme_curl_example(demo_server):
-    body = {"model": "dflash-demo", "messages": [{"role": "user", "content": "What is 12 + 30?"}],
+    body = {"model": "dflash-demo", "messages": [{"role": "user", "content": "Convert 5 kilometers to meters."}],
             "max_tokens": 64, "temperature": 0}
     out = subprocess.run(
         ["curl", "-s", f"{demo_server.url}/v1/chat/completions", "-H", "Content-Type: application/json",

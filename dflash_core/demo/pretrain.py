@@ -116,7 +116,7 @@ def pretrain_target(
     folder: Path, seed: int, exclude: set[str], *, steps: int, batch_size: int = 8, seq_len: int = 256,
     lr: float = 3e-3, layers: int = 6, hidden: int = 256, intermediate: int = 512, vocab_size: int = 4096,
     code_fraction: float = 0.1,
-    bf16: bool = True, partial_every: int = 100,
+    bf16: bool = False, partial_every: int = 100,
 ) -> dict:
     """Build the tokenizer, train the target for `steps` steps and save both to `folder`. Returns a summary."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -167,4 +167,4 @@ def pretrain_target(
     return {"params": n_params, "train_tokens": steps * batch_size * seq_len, "final_loss": ema,
             "seconds": time.time() - t0, "steps": steps, "batch_size": batch_size, "seq_len": seq_len, "lr": lr,
             "layers": layers, "hidden": hidden, "intermediate": intermediate, "vocab_size": len(tok),
-            "code_fraction": code_fraction}
+            "code_fraction": code_fraction, "bf16": bf16}
