@@ -171,7 +171,7 @@ class DFlashDrafter:
         else:
             cache, lens = items[0][0].cache, {}
         # The slot cache is written by position (a retry rewrites the same rows); a per-request cache appends.
-        rollback = cache.length if isinstance(cache, DraftKVCache) else None
+        rollback = cache.length if self.slots is None else None
         try:
             emb = self.draft.embed(block, self.target.embed_weight)
             hidden = self.draft(emb, block_pos, ctx, ctx_pos, cache, **lens)

@@ -38,7 +38,7 @@ from uvicorn.server import ServerState as UvicornState
 import dflash_core  # noqa: F401  # before server.app loads torch: sets OMP_WAIT_POLICY=PASSIVE (see its docstring)
 from server.app import ServerState, create_app
 from server.logs import setup_logging
-from server.parsing import RETRY_AFTER_S
+from server.protocol import RETRY_AFTER_S
 from server.settings import Settings, read_yaml, resolve_settings
 
 log = logging.getLogger("dflash.server")

@@ -47,7 +47,7 @@ from dflash_core.sampling import SamplingParams
 from server import __version__
 from server.detokenize import TokenStrings
 from server.metrics import ServerMetrics
-from server.parsing import RETRY_AFTER_S, Limiter, ParsePool, is_cheap
+from server.parsing import Limiter, ParsePool, is_cheap
 from server.prompts import PromptBuilder
 from server.protocol import (
     APIError,
@@ -58,6 +58,7 @@ from server.protocol import (
     now_ts,
     request_schemas,
     resolve_max_tokens,
+    retry_later,
     usage_dict,
 )
 from server.settings import Settings
@@ -345,22 +346,10 @@ async def _check_content_type(request: Request) -> None:
 
 def _check_ready(state: ServerState) -> tuple[LoadedModels, Worker]:
     if state.draining:
-        raise APIError(
-            503,
-            "server is shutting down",
-            type="service_unavailable",
-            code="shutting_down",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        )
+        raise retry_later(503, "server is shutting down", "shutting_down")
     if state.models is None or state.worker is None or not state.worker.is_alive():
         message = f"model failed to load: {state.load_error}" if state.load_error else "model is loading"
-        raise APIError(
-            503,
-            message,
-            type="service_unavailable",
-            code="model_not_ready",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        )
+        raise retry_later(503, message, "model_not_ready")
     return state.models, state.worker
 
 
@@ -510,13 +499,7 @@ def _start_run(
     try:
         return _Run(worker, request, handles, queue)
     except QueueFullError as e:
-        raise APIError(
-            429,
-            f"{e}; retry later",
-            type="rate_limit_error",
-            code="queue_full",
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        ) from None
+        raise retry_later(429, f"{e}; retry later", "queue_full") from None
 
 
 def _event_error(ev: WorkerEvent, rid: str) -> APIError:

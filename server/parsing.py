@@ -27,7 +27,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
+from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request, retry_later
 
 log = logging.getLogger("dflash.server")
 
@@ -37,7 +37,6 @@ PARSE_PROCESSES = 2
 PARSE_MAX_WAITING = 64
 HELPER_NICE = 10  # a helper yields the CPU to the server (a hostile body must not slow everyone's tokens)
 PARSE_TIMEOUT_S = 30.0  # a helper that takes longer with one body is killed
-RETRY_AFTER_S = 1  # the Retry-After of every 429 / 503 of the server
 _HEADER = 8  # bytes of the length prefix of each message between the server and a helper
 _PACKAGE_PARENT = Path(__file__).resolve().parent.parent  # the helper's cwd: `-m server.parsing` finds us
 _STDERR_LINE_CHARS = 2000
@@ -58,13 +57,11 @@ class Limiter:
     async def __aenter__(self) -> Limiter:
         if self._sem.locked():
             if self.waiting >= self.max_waiting:
-                raise APIError(
+                raise retry_later(
                     429,
                     f"too many {self.what} in progress ({self.max_active} running, {self.waiting} waiting); "
                     "retry later",
-                    type="rate_limit_error",
-                    code="queue_full",
-                    headers={"Retry-After": str(RETRY_AFTER_S)},
+                    "queue_full",
                 )
             self.waiting += 1
             try:
@@ -202,12 +199,8 @@ class ParsePool:
         except TimeoutError:
             log.warning("parse helper %d took over %.0f s with a %d-byte body: killed", helper.proc.pid,
                         PARSE_TIMEOUT_S, len(body))
-            raise APIError(
-                503,
-                f"parsing the request body took over {PARSE_TIMEOUT_S:.0f} s; retry later",
-                type="service_unavailable",
-                code="parse_timeout",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
+            raise retry_later(
+                503, f"parsing the request body took over {PARSE_TIMEOUT_S:.0f} s; retry later", "parse_timeout"
             ) from None
         finally:
             if ok and not self._closed:

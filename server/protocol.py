@@ -71,6 +71,17 @@ def _rebuild_api_error(
     return APIError(status, message, type=type, param=param, code=code, headers=headers)
 
 
+RETRY_AFTER_S = 1  # the Retry-After of every 429 / 503 of the server
+_RETRY_TYPES = {429: "rate_limit_error", 503: "service_unavailable"}
+
+
+def retry_later(status: int, message: str, code: str) -> APIError:
+    """A 429 or 503 the client should retry: OpenAI's error type for the status, and ``Retry-After``."""
+    return APIError(
+        status, message, type=_RETRY_TYPES[status], code=code, headers={"Retry-After": str(RETRY_AFTER_S)}
+    )
+
+
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     """OpenAI error envelope."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
