@@ -1,4 +1,4 @@
-"""Prometheus collectors of the server (DESIGN section 3: vLLM semantics, ``dflash_`` prefix, base units).
+"""Prometheus collectors of the server (vLLM semantics, ``dflash_`` prefix, base units; README "Metrics").
 
 The worker thread is the only writer: it calls :meth:`ServerMetrics.observe_step` once per engine
 ``StepOutput``, :meth:`ServerMetrics.observe_finished` once per finished request,

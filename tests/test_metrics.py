@@ -76,7 +76,7 @@ def finish(m: ServerMetrics, rid: str, reason: str, gen: int, itl: list[float] |
 
 
 def test_names_types_labels_and_buckets() -> None:
-    """Exactly the families, types, labels and buckets of DESIGN section 3, all present before traffic."""
+    """Exactly the families, types, labels and buckets the README's Metrics section lists, present before traffic."""
     m = make_metrics()
     assert families(m) == {
         "dflash_requests": "counter",
