@@ -1,9 +1,9 @@
-"""Configuration of a DFlash draft (z-lab `config.json`) and of the engine."""
+"""Configuration: a DFlash draft's `config.json` (z-lab layout) and the engine's settings (`EngineConfig`)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -149,3 +149,58 @@ class DraftConfig:
         """Write `config.json` into `folder`."""
         Path(folder).mkdir(parents=True, exist_ok=True)
         (Path(folder) / "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+BACKENDS = ("auto", "native", "hf")
+
+
+def _setting(default: Any, help: str) -> Any:
+    """A field whose help text the server's command line (and the docs) show."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine setting: what to load, where, and how many requests run at once.
+
+    Frozen: built once (by `LLM(...)`, the server's settings or a benchmark) and handed to `load_models`.
+    The server's `Settings` extend it with the HTTP settings; field names are the YAML keys and flags there.
+    """
+
+    target: str | None = _setting(None, "target model folder or hub id (default: the bundled demo target)")
+    draft: str | None = _setting(None, "DFlash draft folder or hub id (default: the demo draft, with the demo target)")
+    tokenizer: str | None = _setting(None, "tokenizer (default: the target's)")
+    device: str = _setting("auto", "auto, cpu, cuda, cuda:N")
+    dtype: str = _setting("auto", "auto, float32, bfloat16, float16")
+    backend: str = _setting(
+        "auto", "target forward: native (batched, slot KV cache; Qwen3/Llama/Qwen2), hf (transformers), "
+        "auto (native where supported)")
+    block_size: int | None = _setting(None, "draft block size (default: the draft's)")
+    speculative: bool = _setting(
+        True, "DFlash speculative decoding; --no-speculative serves the target autoregressively")
+    max_running_requests: int = _setting(8, "requests decoded concurrently (each holds one KV-cache slot)")
+    max_model_len: int | None = _setting(None, "context length limit (default: the model's)")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the impossible setting."""
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be auto, native or hf, got {self.backend!r}")
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> EngineConfig:
+        """The engine part of a config that extends this one (the server's settings)."""
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
+
+    @property
+    def uses_demo_pair(self) -> bool:
+        """No target named: the bundled demo pair is loaded."""
+        return self.target is None

@@ -6,7 +6,6 @@ Weight names follow z-lab checkpoints (`fc`, `hidden_norm`, `norm`, `layers.N.se
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
@@ -14,51 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_core.config import DraftConfig
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, as Qwen3/Llama do."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse RoPE frequencies, with Llama-3 style scaling when the config asks for it."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind == "linear":
-        inv_freq = inv_freq / float(scaling["factor"])
-    elif kind == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
-        old_len = float(scaling.get("original_max_position_embeddings", 8192))
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_len / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-    elif kind not in ("default", None):
-        raise ValueError(f"unsupported rope_scaling type {kind!r} in draft config")
-    return inv_freq.float()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [b, heads, n, d]; cos/sin: [b, n, d]."""
-    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+from dflash_core.layers import RMSNorm, apply_rope, rope_inv_freq
 
 
 class DraftAttention(nn.Module):
@@ -171,7 +126,8 @@ class DraftKVCache:
 class SlotDraftCache:
     """Context keys/values of many requests: `[layers, slots, kv_heads, max_len + 1, head_dim]`, written by position.
 
-    The last column is scratch: padding rows of a batch write there and no query ever sees it.
+    A request uses the row of its slot from the engine's SlotPool (the same index as its target KV rows). The last
+    column is scratch: padding rows of a batch write there and no query ever sees it.
     """
 
     def __init__(self, cfg: DraftConfig, max_slots: int, max_len: int, device: torch.device, dtype: torch.dtype):
@@ -179,16 +135,7 @@ class SlotDraftCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.scratch = max_len
-        self._free = list(range(max_slots - 1, -1, -1))
-
-    def allocate(self) -> int:
-        if not self._free:
-            raise RuntimeError("no free draft KV-cache slot")
-        return self._free.pop()
-
-    def release(self, slot: int) -> None:
-        if slot not in self._free:
-            self._free.append(slot)
+        self.max_slots = max_slots
 
     def batch(self, slots: list[int], ctx_pos: torch.Tensor | None, kv_len: int) -> SlotBatch:
         return SlotBatch(self, slots, ctx_pos, kv_len)

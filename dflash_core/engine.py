@@ -11,13 +11,15 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from dflash_core.draft import DFlashDraft, DraftKVCache, SlotDraftCache
+from dflash_core.chat import as_token_ids
+from dflash_core.runners.base import Drafter, DraftRequest, TargetOutput, TargetRow, TargetRunner
 from dflash_core.sampling import SamplingParams, choose_tokens, resolve_seed, token_logprobs
-from dflash_core.target import HFTarget, TargetOutput
+from dflash_core.slots import SlotPool
+from dflash_core.stats import RequestStats
 
 log = logging.getLogger("dflash.engine")
 
@@ -30,31 +32,6 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
-
-
-@dataclass
-class RequestStats:
-    """What one request did: speculation counters and timings."""
-
-    prompt_tokens: int
-    block_size: int
-    generated_tokens: int = 0
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    acceptance_lengths: list[int] = field(default_factory=list)
-    prefill_time: float = 0.0
-    decode_time: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not self.accepted_per_position:
-            self.accepted_per_position = [0] * max(self.block_size - 1, 0)
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """1 + accepted / drafts (vLLM's definition); 1.0 when nothing was drafted."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
 
 @dataclass
@@ -73,118 +50,6 @@ class StepOutput:
     error: str | None = None
 
 
-class Drafter(Protocol):
-    """Proposes draft tokens for a request; the engine verifies them with the target.
-
-    Optional: `propose_batch(items) -> list[list[int]]` (one call for all requests, items being
-    `(state, last_token, position, n)`) and `release(state)` (frees what a finished request held).
-    """
-
-    block_size: int
-
-    def new_state(self, prompt_token_ids: list[int]) -> Any: ...
-
-    def extend_context(self, state: Any, features: torch.Tensor) -> None: ...
-
-    def propose(self, state: Any, last_token: int, position: int, n: int) -> list[int]: ...
-
-
-@dataclass
-class _DFlashState:
-    cache: DraftKVCache | None = None  # per-request cache (unbatched drafter)
-    slot: int | None = None  # row of the shared slot cache (batched drafter)
-    pending: list[torch.Tensor] = field(default_factory=list)  # target features not yet in the draft cache
-
-
-class DFlashDrafter:
-    """Drafter backed by a DFlash draft model sharing the target's embeddings and output head.
-
-    With `max_slots` the drafts of all requests run as ONE batched forward over a slot KV cache; without it,
-    one forward per request over a growing per-request cache.
-    """
-
-    def __init__(
-        self,
-        draft: DFlashDraft,
-        target: Any,
-        block_size: int | None = None,
-        max_slots: int | None = None,
-        max_len: int | None = None,
-    ) -> None:
-        self.draft = draft
-        self.target = target
-        self.block_size = int(block_size or draft.block_size)
-        self.mask_token_id = draft.mask_token_id
-        self.slots = None
-        if max_slots:
-            self.slots = SlotDraftCache(draft.cfg, max_slots, int(max_len), target.device, target.dtype)
-
-    def new_state(self, prompt_token_ids: list[int]) -> _DFlashState:
-        if self.slots is not None:
-            return _DFlashState(slot=self.slots.allocate())
-        return _DFlashState(cache=DraftKVCache(len(self.draft.layers)))
-
-    def release(self, state: _DFlashState | None) -> None:
-        if state is not None and state.slot is not None and self.slots is not None:
-            self.slots.release(state.slot)
-            state.slot = None
-
-    def extend_context(self, state: _DFlashState, features: torch.Tensor) -> None:
-        state.pending.append(features)
-
-    def propose(self, state: _DFlashState, last_token: int, position: int, n: int) -> list[int]:
-        return self.propose_batch([(state, last_token, position, n)])[0]
-
-    @torch.inference_mode()
-    def propose_batch(self, items: list[tuple[_DFlashState, int, int, int]]) -> list[list[int]]:
-        """Argmax proposals for each (state, last token, its position, how many).
-
-        Nothing is consumed unless the whole call succeeds: the pending context features stay pending and a
-        per-request cache keeps its length, so a failed call can be retried (the engine retries one by one).
-        """
-        device, dtype = self.target.device, self.target.dtype
-        if self.slots is None and len(items) > 1:
-            return [self.propose(*item) for item in items]
-        b = len(items)
-        width = max(n for *_, n in items) + 1
-        pending = [torch.cat(st.pending, dim=0) if st.pending else None for st, *_ in items]
-        n_ctx = max((0 if f is None else f.shape[0]) for f in pending)
-        ctx = ctx_pos = None
-        positions = torch.tensor([p for _, _, p, _ in items], device=device)
-        if n_ctx:
-            feat_dim = next(f for f in pending if f is not None).shape[1]
-            ctx = torch.zeros(b, n_ctx, feat_dim, device=device, dtype=dtype)
-            # padding rows go to the slot cache's scratch column, which no query sees
-            scratch = self.slots.scratch if self.slots is not None else 0
-            ctx_pos = torch.full((b, n_ctx), scratch, device=device, dtype=torch.long)
-            for r, f in enumerate(pending):
-                if f is not None:
-                    c = f.shape[0]
-                    ctx[r, :c] = f.to(dtype)
-                    ctx_pos[r, :c] = torch.arange(items[r][2] - c, items[r][2], device=device)
-        block = torch.full((b, width), self.mask_token_id, device=device, dtype=torch.long)
-        block[:, 0] = torch.tensor([last for _, last, _, _ in items], device=device)
-        block_pos = positions[:, None] + torch.arange(width, device=device)[None]
-        if self.slots is not None:
-            cache = self.slots.batch([st.slot for st, *_ in items], ctx_pos, int(positions.max()))
-            lens = dict(ctx_len=positions, block_len=torch.tensor([n + 1 for *_, n in items], device=device))
-        else:
-            cache, lens = items[0][0].cache, {}
-        # The slot cache is written by position (a retry rewrites the same rows); a per-request cache appends.
-        rollback = cache.length if self.slots is None else None
-        try:
-            emb = self.draft.embed(block, self.target.embed_weight)
-            hidden = self.draft(emb, block_pos, ctx, ctx_pos, cache, **lens)
-            best = self.draft.logits(hidden[:, 1:], self.target.lm_head_weight).argmax(dim=-1).tolist()
-        except BaseException:
-            if rollback is not None:
-                cache.length = rollback
-            raise
-        for st, *_ in items:  # only now is the context in the draft cache
-            st.pending.clear()
-        return [row[:n] for row, (*_, n) in zip(best, items)]
-
-
 @dataclass
 class _Request:
     id: int
@@ -193,6 +58,7 @@ class _Request:
     seed: int
     stop_ids: frozenset[int]
     stats: RequestStats
+    slot: int | None = None  # from the engine's SlotPool, held from prefill to the end
     cache: Any = None
     draft_state: Any = None
     output: list[int] = field(default_factory=list)
@@ -201,17 +67,27 @@ class _Request:
 
 
 class Engine:
-    """Serves many requests, one draft+verify iteration each per `step()`. Not thread-safe."""
+    """Serves many requests, one draft+verify iteration each per `step()`. Not thread-safe.
+
+    Each running request holds one slot of `self.slots` (its target cache and draft state are created for that
+    slot); requests beyond the free slots wait, in order, for one to be released.
+    """
 
     def __init__(
         self,
-        target: HFTarget,
+        target: TargetRunner,
         drafter: Drafter | None = None,
         eos_token_ids: list[int] | None = None,
         max_model_len: int | None = None,
+        max_slots: int | None = None,
+        slots: SlotPool | None = None,
     ) -> None:
         self.target = target
         self.drafter = drafter
+        if slots is None:  # engines that share a runner must share its pool: pass `slots`
+            limits = [n for n in (max_slots, target.max_slots, drafter and drafter.max_slots) if n is not None]
+            slots = SlotPool(min(limits) if limits else None)
+        self.slots = slots
         self.block_size = drafter.block_size if drafter is not None else 1
         self.eos_token_ids = list(eos_token_ids or [])
         self.max_model_len = int(max_model_len or target.max_position_embeddings)
@@ -223,7 +99,10 @@ class Engine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Queue a request; raises ValueError on bad input."""
         params.validate()
-        prompt = [int(t) for t in prompt_token_ids]
+        try:
+            prompt = as_token_ids(prompt_token_ids)
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ValueError(f"prompt must be a list of token ids ({exc})") from None
         if not prompt:
             raise ValueError("prompt must contain at least one token")
         vocab = self.target.vocab_size
@@ -260,6 +139,10 @@ class Engine:
     def num_running(self) -> int:
         return len(self._active)
 
+    def is_running(self, request_id: int) -> bool:
+        """The request was added and has not finished yet."""
+        return request_id in self._active
+
     def stats(self, request_id: int) -> RequestStats:
         req = self._active.get(request_id)
         return req.stats if req is not None else self._finished[request_id]
@@ -280,7 +163,7 @@ class Engine:
             if req.aborted:
                 self._emit(req, StepOutput(req.id, [], finish_reason=FINISH_ABORT), outputs)
             elif req.cache is None:
-                if self.target.has_free_cache():  # else it waits for a request to finish
+                if self.slots.has_free():  # else it waits for a request to finish
                     self._emit(req, self._guarded(req, self._prefill), outputs)
             else:
                 decoding.append(req)
@@ -307,22 +190,23 @@ class Engine:
 
     def _retire(self, req: _Request) -> None:
         del self._active[req.id]
-        self.target.release(req.cache)
-        if req.draft_state is not None and hasattr(self.drafter, "release"):
-            self.drafter.release(req.draft_state)
-        req.cache = req.draft_state = None
+        req.cache = req.draft_state = None  # both caches dropped before their slot is free again
+        if req.slot is not None:
+            self.slots.release(req.slot)
+            req.slot = None
         self._finished[req.id] = req.stats
         while len(self._finished) > _KEEP_FINISHED_STATS:
             self._finished.popitem(last=False)
 
     def _prefill(self, req: _Request) -> StepOutput:
         t0 = time.perf_counter()
-        req.cache = self.target.new_cache()
+        req.slot = self.slots.allocate()
+        req.cache = self.target.new_cache(req.slot)
         use_draft = self.drafter is not None
         out = self.target.forward(req.prompt, 0, req.cache, features=use_draft, last_only=True)
         token = choose_tokens(out.logits, req.params, req.seed, len(req.prompt))
         if use_draft:
-            req.draft_state = self.drafter.new_state(req.prompt)
+            req.draft_state = self.drafter.new_state(req.slot, req.prompt)
             if out.features is not None:
                 self.drafter.extend_context(req.draft_state, out.features)
         req.position = len(req.prompt)
@@ -335,23 +219,23 @@ class Engine:
         return min(self.block_size, req.params.max_tokens - len(req.output)) - 1
 
     def _propose_all(self, reqs: list[_Request]) -> tuple[list[tuple[_Request, list[int]]], list[tuple[_Request, Any]]]:
-        """Proposals for every request (one batched draft call when the drafter has one); failures apart."""
+        """Proposals for every request (one batched draft call); failures apart."""
         plans = {req.id: (req, []) for req in reqs}
-        drafting = [req for req in reqs if self.drafter is not None and self._draft_width(req) > 0]
         failed: list[tuple[_Request, Any]] = []
-        batch = getattr(self.drafter, "propose_batch", None)
-        if drafting and batch is not None:
+        if self.drafter is None:
+            return list(plans.values()), failed
+        drafting = [req for req in reqs if self._draft_width(req) > 0]
+        items = [DraftRequest(r.draft_state, r.output[-1], r.position, self._draft_width(r)) for r in drafting]
+        if items:
             try:
-                items = [(r.draft_state, r.output[-1], r.position, self._draft_width(r)) for r in drafting]
-                for req, props in zip(drafting, batch(items)):
+                for req, props in zip(drafting, self.drafter.propose_batch(items)):
                     plans[req.id] = (req, props)
-                drafting = []
+                return list(plans.values()), failed
             except Exception:  # find out which request it was: one by one
                 log.warning("batched draft failed; retrying request by request", exc_info=True)
-        for req in drafting:
+        for req, item in zip(drafting, items):
             try:
-                props = self.drafter.propose(req.draft_state, req.output[-1], req.position, self._draft_width(req))
-                plans[req.id] = (req, props)
+                plans[req.id] = (req, self.drafter.propose_batch([item])[0])
             except Exception as exc:
                 del plans[req.id]
                 failed.append((req, exc))
@@ -363,7 +247,7 @@ class Engine:
         done = [(req, self._error(req, exc)) for req, exc in failed]
         if not plans:
             return done
-        rows = [([req.output[-1], *props], req.position, req.cache) for req, props in plans]
+        rows = [TargetRow([req.output[-1], *props], req.position, req.cache) for req, props in plans]
         want = any(props for _, props in plans)
         try:
             outs: list[Any] = self.target.forward_batch(rows, features=want)
@@ -402,14 +286,7 @@ class Engine:
             self.drafter.extend_context(req.draft_state, out.features[: accepted + 1])
         req.position = p + accepted + 1
 
-        st = req.stats
-        st.acceptance_lengths.append(accepted + 1)
-        if proposals:
-            st.num_drafts += 1
-            st.num_draft_tokens += len(proposals)
-            st.num_accepted_tokens += accepted
-            for k in range(accepted):
-                st.accepted_per_position[k] += 1
+        req.stats.record_step(len(proposals), accepted)
         step = StepOutput(
             req.id,
             [],

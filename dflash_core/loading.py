@@ -9,11 +9,14 @@ from typing import Any
 
 import torch
 
-from dflash_core.config import DraftConfig
+from dflash_core.chat import eos_token_ids
+from dflash_core.config import DraftConfig, EngineConfig
 from dflash_core.draft import DFlashDraft
-from dflash_core.engine import DFlashDrafter, Engine
-from dflash_core.native import NativeTarget, supports
-from dflash_core.target import HFTarget
+from dflash_core.engine import Engine
+from dflash_core.runners.base import TargetRunner
+from dflash_core.runners.drafter import DFlashDrafter
+from dflash_core.runners.hf import HFTarget
+from dflash_core.runners.native import NativeTarget, supports
 
 log = logging.getLogger("dflash.loading")
 
@@ -77,7 +80,7 @@ def local_folder(name_or_path: str | Path) -> Path:
         raise FileNotFoundError(f"{name_or_path!r} is neither a local folder nor a reachable hub id: {exc}") from exc
 
 
-def check_pair(cfg: DraftConfig, target: HFTarget) -> None:
+def check_pair(cfg: DraftConfig, target: TargetRunner) -> None:
     """Fail with a message naming the field when the draft does not fit the target."""
     if cfg.hidden_size != target.hidden_size:
         raise ValueError(f"draft/target mismatch in hidden_size: draft {cfg.hidden_size}, target {target.hidden_size}")
@@ -96,18 +99,6 @@ def check_pair(cfg: DraftConfig, target: HFTarget) -> None:
         log.warning("draft was trained for %d target layers, target has %d", cfg.num_target_layers, target.num_layers)
 
 
-def eos_ids(model: Any, tokenizer: Any) -> list[int]:
-    """EOS ids from the generation config and the tokenizer."""
-    ids: set[int] = set()
-    gen = getattr(model, "generation_config", None)
-    for value in (getattr(gen, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-        if isinstance(value, int):
-            ids.add(value)
-        elif value:
-            ids.update(int(v) for v in value)
-    return sorted(ids)
-
-
 def load_target(path: str | Path, device: torch.device, dtype: torch.dtype) -> Any:
     """A transformers causal LM in eval mode on `device`."""
     from transformers import AutoModelForCausalLM
@@ -116,48 +107,42 @@ def load_target(path: str | Path, device: torch.device, dtype: torch.dtype) -> A
     return model.to(device).eval()
 
 
-def load_models(
-    target: str | Path | None = None,
-    draft: str | Path | None = None,
-    tokenizer: str | Path | None = None,
-    device: str = "auto",
-    dtype: str = "auto",
-    block_size: int | None = None,
-    max_model_len: int | None = None,
-    speculative: bool = True,
-    backend: str = "auto",
-    max_running_requests: int = 8,
-) -> LoadedModels:
-    """Load target + draft + tokenizer into an Engine. No target means the bundled demo pair.
+def load_models(config: EngineConfig) -> LoadedModels:
+    """Load target + draft + tokenizer into an Engine, as `config` says. No target means the bundled demo pair.
 
     backend "hf" runs the transformers model one request per forward; "native" runs our batched forward over a
     slot KV cache sized `max_running_requests` x (max_model_len + block); "auto" picks native where supported.
     """
     from transformers import AutoTokenizer
 
+    target, draft = config.target, config.draft
     if target is None:
         target, draft = DEMO_TARGET, draft or DEMO_DRAFT
         if not Path(target).exists():
             raise FileNotFoundError(f"the bundled demo pair is missing at {DEMO_DIR}")
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
-    tok = AutoTokenizer.from_pretrained(str(local_folder(tokenizer or target)))
+    block_size = config.block_size
+    dev = resolve_device(config.device)
+    dt = resolve_dtype(config.dtype, dev)
+    tok = AutoTokenizer.from_pretrained(str(local_folder(config.tokenizer or target)))
     model = load_target(target, dev, dt)
-    use_draft = speculative and draft is not None and (block_size is None or block_size > 1)
+    use_draft = config.speculative and draft is not None and (block_size is None or block_size > 1)
     draft_path = local_folder(draft) if use_draft else None
     cfg = DraftConfig.from_file(draft_path) if draft_path is not None else None
     layer_ids = cfg.target_layer_ids if cfg is not None else None
     block = (block_size or cfg.block_size) if cfg is not None else 1
-    target_model = make_target(model, layer_ids, backend, max_running_requests, max_model_len, block)
+    slots = config.max_running_requests
+    target_model = make_target(model, layer_ids, config.backend, slots, config.max_model_len, block)
     drafter = None
     if cfg is not None:
         check_pair(cfg, target_model)
         draft_model = DFlashDraft.from_folder(draft_path, device=dev, dtype=dt)
-        native = target_model.backend == "native"
-        slots = dict(max_slots=max_running_requests, max_len=target_model.max_len) if native else {}
-        drafter = DFlashDrafter(draft_model, target_model, block, **slots)
-    max_len = max_model_len or target_model.max_position_embeddings
-    engine = Engine(target_model, drafter, eos_token_ids=eos_ids(model, tok), max_model_len=max_len)
+        # a slot-indexed target gets a slot-indexed (batched) draft cache of the same slots and length
+        batched = target_model.max_slots is not None
+        slot_cache = dict(max_slots=target_model.max_slots, max_len=target_model.max_len) if batched else {}
+        drafter = DFlashDrafter(draft_model, target_model, block, **slot_cache)
+    max_len = config.max_model_len or target_model.max_position_embeddings
+    engine = Engine(target_model, drafter, eos_token_ids=eos_token_ids(model, tok), max_model_len=max_len,
+                    max_slots=slots)
     return LoadedModels(
         engine=engine,
         tokenizer=tok,
@@ -172,7 +157,7 @@ def load_models(
 
 def make_target(
     model: Any, layer_ids: list[int] | None, backend: str, max_slots: int, max_model_len: int | None, block: int
-) -> HFTarget | NativeTarget:
+) -> TargetRunner:
     """The target adapter for `backend` (hf, native or auto)."""
     if backend not in ("hf", "native", "auto"):
         raise ValueError(f"unknown backend {backend!r}; choose hf, native or auto")

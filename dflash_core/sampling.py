@@ -30,6 +30,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    stop: list[str] = field(default_factory=list)  # texts that end the output before them (the detokenizer's job)
 
     @property
     def greedy(self) -> bool:
@@ -50,6 +51,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
 
 
 def resolve_seed(seed: int | None) -> int:

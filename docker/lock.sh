@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerate docker/requirements.lock: every runtime dependency of the image (pyproject.toml's [project]
-# dependencies + docker/requirements.in) pinned to one version with its sha256 hashes, resolved for the
+# dependencies and its `bench` extra, since the image runs dflash-bench, + docker/requirements.in) pinned to one version with its sha256 hashes, resolved for the
 # image's platform (CPython 3.11, linux x86_64) with the CPU build of torch.
 #   pip install pip-tools && docker/lock.sh
 # Run it with Python 3.11 on linux x86_64 (the image's python:3.11-slim). Extra arguments go to pip-compile,
@@ -20,7 +20,7 @@ if sys.version_info[:2] != (3, 11) or platform.machine() != "x86_64" or sys.plat
              f"{sys.platform} {platform.machine()}): the lock is resolved for the image's platform")
 PY
 
-pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras --no-emit-find-links \
+pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras --no-emit-find-links --extra bench \
     --resolver=backtracking --newline=lf \
     --index-url https://pypi.org/simple --extra-index-url "$TORCH_CPU_INDEX" \
     --output-file "$out" "$@" pyproject.toml docker/requirements.in

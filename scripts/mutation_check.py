@@ -51,6 +51,7 @@ DRAFT_FAULT = f"{DRAFT_REF}::test_failed_draft_forward_consumes_nothing"
 MATRIX = "tests/test_backends_matrix.py"
 ENGINE = "tests/test_engine.py"
 ACCEPT = "dflash_core/engine.py"
+DRAFTER = "dflash_core/runners/drafter.py"
 
 
 def m(name: str, file: str, function: str, original: str, mutated: str, *tests: str) -> Mutation:
@@ -92,26 +93,31 @@ MUTATIONS: tuple[Mutation, ...] = (
       "self.drafter.extend_context(req.draft_state, out.features[: accepted + 1])",
       "self.drafter.extend_context(req.draft_state, out.features)",
       DRAFT_REF, "tests/test_demo_quality.py::test_engine_acceptance_guard"),
-    m("hf_feature_one_layer_off", "dflash_core/target.py", "HFTarget.forward",
+    m("hf_feature_one_layer_off", "dflash_core/runners/hf.py", "HFTarget.forward",
       "out.hidden_states[i + 1][0]", "out.hidden_states[i][0]", DRAFT_REF),
-    m("native_feature_one_layer_off", "dflash_core/native.py", "NativeTarget.forward_batch",
+    m("native_feature_one_layer_off", "dflash_core/runners/native.py", "NativeTarget.forward_batch",
       "hidden_ids = [i + 1 for i in self.layer_ids] if features else []",
       "hidden_ids = [i for i in self.layer_ids] if features else []", DRAFT_REF),
     # failures confined to their request
     m("verify_retry_without_crop", ACCEPT, "Engine._decode_batch",
       "self.target.crop(cache, start)", "self.target.crop(cache, start + len(tokens))", ENGINE),
-    m("hf_crop_one_length_for_all_layers", "dflash_core/target.py", "HFTarget.crop",
+    m("hf_crop_one_length_for_all_layers", "dflash_core/runners/hf.py", "HFTarget.crop",
       'layers = getattr(cache, "layers", None)', "layers = None", ENGINE),
-    m("draft_pending_cleared_before_forward", ACCEPT, "DFlashDrafter.propose_batch",
+    m("draft_pending_cleared_before_forward", DRAFTER, "DFlashDrafter.propose_batch",
       "pending = [torch.cat(st.pending, dim=0) if st.pending else None for st, *_ in items]",
       "pending = [(torch.cat(st.pending, dim=0), st.pending.clear())[0] if st.pending else None "
       "for st, *_ in items]", DRAFT_FAULT),
-    m("draft_cache_not_rolled_back", ACCEPT, "DFlashDrafter.propose_batch",
+    m("draft_cache_not_rolled_back", DRAFTER, "DFlashDrafter.propose_batch",
       "cache.length = rollback", "cache.length = cache.length", DRAFT_FAULT),
+    # the slot pool: one slot per running request, shared by its target and draft caches
+    m("slot_never_returned", "dflash_core/slots.py", "SlotPool.release",
+      "        self._free.append(slot)\n", "\n", "tests/test_native.py", "tests/test_llm.py"),
+    m("draft_state_in_another_slot", ACCEPT, "Engine._prefill",
+      "self.drafter.new_state(req.slot, req.prompt)", "self.drafter.new_state(0, req.prompt)", MATRIX),
     # training and the server
-    m("train_zero_gradients", "dflash_core/train.py", "train",
+    m("train_zero_gradients", "dflash_core/train/loop.py", "train",
       "        loss.backward()\n", "        (loss * 0).backward()\n", "tests/test_train_learns.py"),
-    m("stop_string_cut_one_token_late", "server/detokenize.py", "RequestDecoder.feed",
+    m("stop_string_cut_one_token_late", "dflash_core/detokenize.py", "RequestDecoder.feed",
       "res.tokens_used = i + 1", "res.tokens_used = i + 2",
       "tests/test_demo_quality.py::test_stop_string_inside_a_multi_token_step"),
 )

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from dflash_core.stats import mean_acceptance_length
+
 if TYPE_CHECKING:
     from dflash_core.engine import StepOutput
 
@@ -281,7 +283,7 @@ class ServerMetrics:
         if not busy:
             return False
         throughput = tokens / elapsed if elapsed > 0 else 0.0
-        mean_al = 1.0 + accepted / drafts if drafts else 1.0
+        mean_al = mean_acceptance_length(accepted, drafts)
         logger.info(
             "summary: generation_throughput=%.1f tokens/s mean_acceptance_length=%.2f drafts=%d "
             "running=%d waiting=%d",

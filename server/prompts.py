@@ -38,6 +38,7 @@ from typing import Any
 
 import jinja2
 
+from dflash_core.chat import NoChatTemplateError, has_chat_template, render_chat
 from server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -193,6 +194,11 @@ def special_token_ids(tokenizer: Any) -> frozenset[int]:
     return frozenset(i for i, t in decoder.items() if getattr(t, "special", False))
 
 
+def _no_chat_template() -> APIError:
+    """The 400 of a chat request to a model without a chat template (``dflash_core.chat`` refuses to guess one)."""
+    return APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+
+
 class PromptBuilder:
     """Turns requests into prompt token ids for one tokenizer (thread-safe; runs in a thread pool)."""
 
@@ -243,14 +249,16 @@ class PromptBuilder:
 
     def _render(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+            return render_chat(self.tokenizer, messages, **kwargs)
+        except NoChatTemplateError:  # a ValueError: before the generic refusal below
+            raise _no_chat_template() from None
         except (jinja2.TemplateError, TypeError, ValueError, KeyError) as e:  # e.g. roles that do not alternate
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
 
     def chat(self, req: ChatCompletionRequest) -> list[int]:
         """Render the chat template and tokenize it; message text never becomes special tokens."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        if not has_chat_template(self.tokenizer):  # before the kwargs checks: the first thing to fix
+            raise _no_chat_template()
         kwargs = dict(req.chat_template_kwargs or {})
         bad = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
         if bad:

@@ -1,4 +1,10 @@
-"""Server settings: command-line flag > environment (``DFLASH_*``) > YAML config > default."""
+"""Server settings: the engine's (``EngineConfig``) plus the HTTP ones; flag > environment (``DFLASH_*``) >
+YAML config > default.
+
+The merge is hand-written rather than pydantic-settings: it keeps ``Settings`` a frozen dataclass subclass of
+``EngineConfig`` (one definition of every engine field) and gives one-line errors that name the flag, variable or
+file a bad value came from.
+"""
 
 from __future__ import annotations
 
@@ -14,89 +20,69 @@ from typing import Any, NoReturn
 
 import yaml
 
+from dflash_core.config import EngineConfig
+
 ENV_PREFIX = "DFLASH_"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
-@dataclass
-class Settings:
-    """Every setting of the server; names equal the YAML keys and (upper-cased) the DFLASH_ variables."""
+def _setting(default: Any, help: str) -> Any:
+    """A field with the help text that ``--help`` shows."""
+    return field(default=default, metadata={"help": help})
 
-    target: str | None = field(
-        default=None, metadata={"help": "target model folder or hub id (default: the bundled demo target)"}
+
+@dataclass(frozen=True)
+class Settings(EngineConfig):
+    """Every setting of the server: the engine's fields (inherited), then the HTTP ones. Names equal the YAML
+    keys and (upper-cased) the DFLASH_ variables. Frozen: change one with ``dataclasses.replace``."""
+
+    host: str = _setting("127.0.0.1", "bind address")
+    port: int = _setting(8000, "bind port")
+    max_waiting_requests: int = _setting(64, "requests queued beyond the running ones before answering 429")
+    served_model_name: str | None = _setting(None, "model name in the API (default: the target's folder name)")
+    api_key: str | None = _setting(None, "require 'Authorization: Bearer KEY' on /v1 (default: none, no key needed)")
+    log_level: str = _setting("info", "debug, info, warning, error")
+    log_json: bool = _setting(False, "log one JSON object per line (progress bars off, warnings as records)")
+    limit_concurrency: int = _setting(
+        1024,
+        "open connections (idle ones count) or requests in progress beyond which a new request gets a "
+        "fast 503 instead of queueing in the kernel",
     )
-    draft: str | None = field(
-        default=None,
-        metadata={"help": "DFlash draft folder or hub id (default: the demo draft, with the demo target)"},
+    keep_alive_timeout: float = _setting(5.0, "seconds an idle keep-alive connection stays open between requests")
+    header_timeout: float = _setting(
+        10.0,
+        "seconds a client has to send a request's headers once connected (or after the previous "
+        "response); slower connections are closed (slow-loris protection)",
     )
-    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer (default: the target's)"})
-    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda, cuda:N"})
-    dtype: str = field(default="auto", metadata={"help": "auto, float32, bfloat16, float16"})
-    backend: str = field(default="auto", metadata={
-        "help": "target forward: native (batched, slot KV cache; Qwen3/Llama/Qwen2), hf (transformers), "
-                "auto (native where supported)"})
-    block_size: int | None = field(default=None, metadata={"help": "draft block size (default: the draft's)"})
-    speculative: bool = field(
-        default=True,
-        metadata={"help": "DFlash speculative decoding; --no-speculative serves the target autoregressively"},
+    shutdown_timeout: float = _setting(
+        30.0,
+        "on SIGTERM / SIGINT: seconds running requests may take to finish before streams get an error "
+        "event and queued requests a 503 (a second signal exits at once)",
     )
-    host: str = field(default="127.0.0.1", metadata={"help": "bind address"})
-    port: int = field(default=8000, metadata={"help": "bind port"})
-    max_running_requests: int = field(default=8, metadata={"help": "requests decoded concurrently"})
-    max_waiting_requests: int = field(
-        default=64, metadata={"help": "requests queued beyond the running ones before answering 429"}
+    allow_special_tokens: bool = _setting(
+        False,
+        "tokenize special-token text inside message content as special tokens; off so that user text "
+        "cannot forge turns",
     )
-    max_model_len: int | None = field(
-        default=None, metadata={"help": "context length limit (default: the model's)"}
-    )
-    served_model_name: str | None = field(
-        default=None, metadata={"help": "model name in the API (default: the target's folder name)"}
-    )
-    api_key: str | None = field(
-        default=None, metadata={"help": "require 'Authorization: Bearer KEY' on /v1 (default: none, no key needed)"}
-    )
-    log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
-    log_json: bool = field(
-        default=False, metadata={"help": "log one JSON object per line (progress bars off, warnings as records)"}
-    )
-    limit_concurrency: int = field(default=1024, metadata={
-        "help": "open connections (idle ones count) or requests in progress beyond which a new request gets a "
-                "fast 503 instead of queueing in the kernel"})
-    keep_alive_timeout: float = field(
-        default=5.0, metadata={"help": "seconds an idle keep-alive connection stays open between requests"}
-    )
-    header_timeout: float = field(default=10.0, metadata={
-        "help": "seconds a client has to send a request's headers once connected (or after the previous "
-                "response); slower connections are closed (slow-loris protection)"})
-    shutdown_timeout: float = field(default=30.0, metadata={
-        "help": "on SIGTERM / SIGINT: seconds running requests may take to finish before streams get an error "
-                "event and queued requests a 503 (a second signal exits at once)"})
-    allow_special_tokens: bool = field(default=False, metadata={
-        "help": "tokenize special-token text inside message content as special tokens; off so that user text "
-                "cannot forge turns"})
-    sse_ping_interval: float = field(
-        default=15.0, metadata={"help": "seconds between SSE keep-alive comments on quiet streams"}
-    )
+    sse_ping_interval: float = _setting(15.0, "seconds between SSE keep-alive comments on quiet streams")
 
     def validate(self) -> None:
-        """Raise ValueError on an impossible setting."""
-        if self.max_running_requests < 1:
-            raise ValueError("max_running_requests must be >= 1")
+        """Raise ValueError on an impossible setting (the engine's first; runs on construction)."""
+        super().validate()
         if self.max_waiting_requests < 0:
             raise ValueError("max_waiting_requests must be >= 0")
-        if self.backend not in ("auto", "native", "hf"):
-            raise ValueError(f"backend must be auto, native or hf, got {self.backend!r}")
-        if self.block_size is not None and self.block_size < 1:
-            raise ValueError("block_size must be >= 1")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError("max_model_len must be >= 2")
-        if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+        if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"log_level must be debug, info, warning, error or critical: {self.log_level!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError("port must be in 0..65535")
         if self.limit_concurrency < 1:
             raise ValueError("limit_concurrency must be >= 1")
-        for name in ("keep_alive_timeout", "header_timeout", "sse_ping_interval"):
-            if getattr(self, name) <= 0:
+        for name, value in (
+            ("keep_alive_timeout", self.keep_alive_timeout),
+            ("header_timeout", self.header_timeout),
+            ("sse_ping_interval", self.sse_ping_interval),
+        ):
+            if value <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.shutdown_timeout < 0:
             raise ValueError("shutdown_timeout must be >= 0")
@@ -200,9 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="OpenAI-compatible server with DFlash speculative decoding. "
         "Precedence: flag > DFLASH_* environment > --config YAML > default.",
     )
-    p.add_argument(
-        "--config", default=None, help="YAML file whose keys are setting names (env: DFLASH_CONFIG)"
-    )
+    p.add_argument("--config", default=None, help="YAML file whose keys are setting names (env: DFLASH_CONFIG)")
     for f in fields(Settings):
         flag = "--" + f.name.replace("_", "-")
         help_text = f.metadata.get("help", "")
@@ -212,16 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
         help_text = f"{help_text} (env: {ENV_PREFIX}{f.name.upper()})".replace("%", "%%")
         base = _base_type(f.name)
         if base is bool:
-            p.add_argument(
-                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
-            )
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
             p.add_argument(flag, dest=f.name, default=None, help=help_text, metavar=f.name.upper())
     return p
 
 
 def resolve_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Settings:
-    """Merge flags, environment, YAML and defaults into Settings."""
+    """Merge flags, environment, YAML and defaults into Settings (ValueError, in one line, for a bad value)."""
     env = os.environ if env is None else env
     args = build_parser().parse_args(argv)
     values: dict[str, Any] = {}
@@ -236,6 +218,4 @@ def resolve_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] |
         value = getattr(args, name)
         if value is not None:
             values[name] = convert(name, value, "flag --" + name.replace("_", "-"))
-    settings = Settings(**values)
-    settings.validate()
-    return settings
+    return Settings(**values)  # validates (ValueError naming the setting)

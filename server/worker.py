@@ -18,13 +18,15 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from server.detokenize import RequestDecoder
+from dflash_core.detokenize import OutputText
+from dflash_core.stats import SpecSummary
 
 if TYPE_CHECKING:
-    from dflash_core.engine import Engine, StepOutput, TokenLogprob
+    from dflash_core.engine import StepOutput, TokenLogprob
     from dflash_core.sampling import SamplingParams
+    from dflash_core.stats import RequestStats
     from server.metrics import ServerMetrics
 
 log = logging.getLogger("dflash.worker")
@@ -32,38 +34,39 @@ IDLE_WAKE_S = 1.0
 SHUTTING_DOWN = "server is shutting down"
 
 
-class QueueFullError(Exception):
-    """The waiting queue is full (answered with 429)."""
+class ServingEngine(Protocol):
+    """What the worker uses of an engine: ``dflash_core.engine.Engine`` (tests/fake_engine.py: a scripted one).
 
+    Called from the worker thread only. A request's last ``StepOutput`` has a ``finish_reason`` ("stop", "length",
+    "abort", "error"); its ``stats`` still answer until ``release``.
+    """
 
-@dataclass
-class SpecSummary:
-    """Speculative-decoding summary of one request (or a sum over choices)."""
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Queue a request and return its id (ValueError: an impossible request, answered with 400)."""
 
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
+    def abort(self, request_id: int) -> None:
+        """End the request with "abort" at the next step."""
 
-    def __add__(self, other: SpecSummary) -> SpecSummary:
-        return SpecSummary(
-            self.num_drafts + other.num_drafts,
-            self.num_draft_tokens + other.num_draft_tokens,
-            self.num_accepted_tokens + other.num_accepted_tokens,
-        )
+    def step(self) -> list[StepOutput]:
+        """Advance every active request by one iteration: one output per request that advanced."""
+
+    def stats(self, request_id: int) -> RequestStats:
+        """The request's counters (its speculative summary)."""
+
+    def release(self, request_id: int) -> None:
+        """Forget a finished request's stats."""
 
     @property
-    def mean_acceptance_length(self) -> float:
-        """1 + accepted / drafts (1.0 without drafts), as vLLM reports it."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+    def max_model_len(self) -> int:
+        """Prompt plus output tokens a request may hold (the app bounds max_tokens with it)."""
 
-    def to_dict(self) -> dict[str, Any]:
-        """The ``dflash`` field of responses."""
-        return {
-            "num_drafts": self.num_drafts,
-            "num_draft_tokens": self.num_draft_tokens,
-            "num_accepted_tokens": self.num_accepted_tokens,
-            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
-        }
+    @property
+    def block_size(self) -> int:
+        """Draft block size (1: plain decoding), reported by /v1/models and the metrics."""
+
+
+class QueueFullError(Exception):
+    """The waiting queue is full (answered with 429)."""
 
 
 @dataclass
@@ -98,8 +101,7 @@ class RequestHandle:
 
     index: int
     prompt_token_ids: list[int]
-    params: SamplingParams
-    stop: list[str]
+    params: SamplingParams  # its `stop` strings are applied here, by the request's OutputText
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[WorkerEvent]
     request_id: str = ""  # for logs: "<response id>-<choice index>"
@@ -119,7 +121,7 @@ class _Request:
     """Worker-side state of one request."""
 
     handle: RequestHandle
-    decoder: RequestDecoder
+    text: OutputText  # detokenizer + stop strings
     rid: int | None = None
     admitted: float | None = None
     first_token: float | None = None
@@ -134,7 +136,7 @@ class Worker:
     """Owns the engine in one thread; thread-safe ``submit`` / ``abort`` for the event loop."""
 
     def __init__(
-        self, engine: Engine, tokenizer: Any, metrics: ServerMetrics, *, max_running: int, max_waiting: int
+        self, engine: ServingEngine, tokenizer: Any, metrics: ServerMetrics, *, max_running: int, max_waiting: int
     ) -> None:
         self._engine = engine
         self._tokenizer = tokenizer
@@ -250,7 +252,7 @@ class Worker:
         self._metrics.set_queue_state(self.num_running, self.num_waiting)
 
     def _add(self, h: RequestHandle) -> None:
-        r = _Request(handle=h, decoder=RequestDecoder(self._tokenizer, h.prompt_token_ids, h.stop))
+        r = _Request(handle=h, text=OutputText(self._tokenizer, h.prompt_token_ids, h.params.stop))
         if self._closed is not None:
             self._fail(r, self._closed)
             return
@@ -332,26 +334,10 @@ class Worker:
             self._release(out.request_id)
             return
 
-        tokens = list(out.new_token_ids)
-        text_tokens = tokens[:-1] if out.stop_token_id is not None and tokens else tokens
-        res = r.decoder.feed(text_tokens)
-        finish = out.finish_reason
-        text = res.text
-        if res.stop_string is not None:
-            kept = tokens[: res.tokens_used]
-            n_text = res.tokens_used
-            finish = "stop"
-        else:
-            kept = tokens
-            n_text = len(text_tokens)
-            if finish is not None:
-                tail = r.decoder.finish()
-                text += tail.text
-                if tail.stop_string is not None:
-                    finish = "stop"
-        logprobs = list(out.logprobs[:n_text]) if out.logprobs is not None else None
-        engine_finished = out.finish_reason is not None
-        if len(kept) != len(tokens) or finish != out.finish_reason:
+        step = r.text.step(out)
+        kept, finish, text = step.token_ids, step.finish_reason, step.text
+        logprobs = list(out.logprobs[: step.num_text_tokens]) if out.logprobs is not None else None
+        if len(kept) != len(out.new_token_ids) or finish != out.finish_reason:
             out = dataclasses.replace(out, new_token_ids=kept, finish_reason=finish)
         self._metrics.observe_step(out, now)
 
@@ -370,20 +356,19 @@ class Worker:
             r.handle.post(event)
             return
         self._finish(r, finish, now, event=event)
-        if engine_finished:
-            self._release(out.request_id)
-        else:  # cut by a stop string: stop generating now; released when the engine reports the abort
+        if step.stopped_early:  # cut by a stop string: stop generating now; released when the engine reports the abort
             self._engine.abort(out.request_id)
+        else:
+            self._release(out.request_id)
 
     def _spec(self, r: _Request) -> SpecSummary:
         if r.rid is None:
             return SpecSummary()
         try:
-            st = self._engine.stats(r.rid)
+            return self._engine.stats(r.rid).summary()
         except Exception:
             log.warning("engine.stats(%s) failed", r.rid, exc_info=True)
             return SpecSummary()
-        return SpecSummary(st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens)
 
     def _finish(self, r: _Request, reason: str, now: float, event: WorkerEvent | None = None) -> None:
         """Send the last event of a request and record it in the metrics."""

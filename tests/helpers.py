@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,6 +11,7 @@ import torch
 
 from dflash_core.config import DraftConfig
 from dflash_core.draft import DFlashDraft
+from dflash_core.runners.base import Drafter, DraftRequest
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -139,45 +140,34 @@ class Proposal:
     tokens: list[int]
 
 
-class RecordingDrafter:
+class RecordingDrafter(Drafter):
     """Wraps any Drafter through its public interface and records every proposal it returns to the engine.
 
     `check(inner_state, last_token, position, n)`, when given, runs before every proposal (an invariant to test).
     """
 
-    def __init__(self, inner: Any, check: Callable[[Any, int, int, int], None] | None = None) -> None:
+    def __init__(self, inner: Drafter, check: Callable[[Any, int, int, int], None] | None = None) -> None:
         self.inner = inner
         self.block_size = inner.block_size
+        self.max_slots = inner.max_slots
         self.check = check
         self.proposals: list[Proposal] = []
 
-    def new_state(self, prompt_token_ids: list[int]) -> RecordedState:
-        return RecordedState(self.inner.new_state(prompt_token_ids), tuple(prompt_token_ids))
+    def new_state(self, slot: int, prompt_token_ids: list[int]) -> RecordedState:
+        return RecordedState(self.inner.new_state(slot, prompt_token_ids), tuple(prompt_token_ids))
 
     def extend_context(self, state: RecordedState, features: torch.Tensor) -> None:
         self.inner.extend_context(state.inner, features)
 
-    def propose(self, state: RecordedState, last_token: int, position: int, n: int) -> list[int]:
-        if self.check is not None:
-            self.check(state.inner, last_token, position, n)
-        tokens = list(self.inner.propose(state.inner, last_token, position, n))
-        self.proposals.append(Proposal(state.prompt, last_token, position, tokens))
-        return tokens
-
-    def propose_batch(self, items: list[tuple[RecordedState, int, int, int]]) -> list[list[int]]:
-        batch = getattr(self.inner, "propose_batch", None)
-        inner_items = [(st.inner, last, pos, n) for st, last, pos, n in items]
+    def propose_batch(self, items: Sequence[DraftRequest]) -> list[list[int]]:
+        inner_items = [DraftRequest(st.inner, last, pos, n) for st, last, pos, n in items]
         if self.check is not None:
             for item in inner_items:
                 self.check(*item)
-        outs = batch(inner_items) if batch is not None else [self.inner.propose(*it) for it in inner_items]
+        outs = self.inner.propose_batch(inner_items)
         for (st, last, pos, _), tokens in zip(items, outs):
             self.proposals.append(Proposal(st.prompt, last, pos, list(tokens)))
         return outs
-
-    def release(self, state: RecordedState | None) -> None:
-        if state is not None and hasattr(self.inner, "release"):
-            self.inner.release(state.inner)
 
     def by_prompt(self, prompt: list[int] | tuple[int, ...]) -> list[Proposal]:
         """The proposals made for one request (prompts are assumed distinct), in order."""

@@ -29,7 +29,7 @@ import httpx
 import torch
 from safetensors.torch import load_file, save_file
 
-from server.detokenize import _bytes_to_unicode
+from dflash_core.detokenize import _bytes_to_unicode
 from tests.helpers import make_tiny_pair
 
 REPO = Path(__file__).resolve().parent.parent

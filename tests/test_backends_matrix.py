@@ -12,10 +12,11 @@ import torch
 
 from dflash_core.config import DraftConfig
 from dflash_core.draft import DFlashDraft
-from dflash_core.engine import DFlashDrafter, Engine
-from dflash_core.native import SUPPORTED_MODEL_TYPES, NativeTarget
+from dflash_core.engine import Engine
+from dflash_core.runners.drafter import DFlashDrafter
+from dflash_core.runners.hf import HFTarget
+from dflash_core.runners.native import SUPPORTED_MODEL_TYPES, NativeTarget
 from dflash_core.sampling import SamplingParams
-from dflash_core.target import HFTarget
 from tests.helpers import RecordingDrafter, make_target
 from tests.test_draft_reference import assert_proposals_match_reference
 from tests.test_engine import ScriptedDrafter, hf_greedy, run_all, tokens

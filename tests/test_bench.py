@@ -6,6 +6,7 @@ must be identical; the shipped prompt sets must be well-formed and disjoint from
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ import jsonschema
 import pytest
 
 from dflash_core import bench
+from dflash_core.bench import serve as bench_serve
 from tests.helpers import make_tiny_pair
 from tests.server_fixtures import REPO, ServerProcess, free_port, start_server
 
@@ -193,8 +195,8 @@ def test_level_spread_and_table() -> None:
     def req(tokens: int) -> dict:
         return {"ok": True, "tokens": tokens, "ttft": 0.01, "e2e": 0.1, "itl": [0.01], "tpot": 0.01, "spec": None}
 
-    rounds = [bench._round_result([req(10), req(10)], 1.0), bench._round_result([req(10), req(10)], 0.5)]
-    lv = bench._level_result(2, [req(10)] * 4, 1.5, rounds)
+    rounds = [bench_serve._round_result([req(10), req(10)], 1.0), bench_serve._round_result([req(10), req(10)], 0.5)]
+    lv = bench_serve._level_result(2, [req(10)] * 4, 1.5, rounds)
     assert lv["repeats"] == 2 and lv["output_tokens_per_s"] == pytest.approx(40 / 1.5)
     assert lv["spread"]["output_tokens_per_s"] == pytest.approx({"min": 20.0, "max": 40.0, "stdev": 14.142135})
     assert lv["spread"]["request_throughput"]["min"] == 2.0
@@ -231,7 +233,7 @@ def test_help_lists_modes_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     for mode in modes:
         (i,) = [i for i, line in enumerate(lines) if line.strip().startswith(mode + " ")]
         assert lines[i + 1].strip() == "" or lines[i + 1].lstrip().split()[0] in modes, f"the {mode} line wraps"
-    sub = next(a for a in parser._actions if isinstance(a, bench.argparse._SubParsersAction))
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     for name, sp in sub.choices.items():
         fmt = sp._get_formatter()
         for action in sp._actions:
@@ -265,12 +267,13 @@ def test_memory_estimate_matches_real_models_and_caches(pair: tuple[Path, Path])
     """Parameter counts and KV cache sizes against what the loader really allocates for a local pair."""
     import torch
 
+    from dflash_core.config import EngineConfig
     from dflash_core.loading import load_models
 
     target, draft = pair
     est = bench.memory_estimate(str(target), str(draft), dtype="float32", max_model_len=64, max_running_requests=3)
-    models = load_models(str(target), str(draft), device="cpu", dtype="float32", max_model_len=64,
-                         max_running_requests=3, backend="native")
+    models = load_models(EngineConfig(str(target), str(draft), device="cpu", dtype="float32", max_model_len=64,
+                         max_running_requests=3, backend="native"))
     engine = models.engine
 
     def params(module: torch.nn.Module) -> int:
@@ -419,10 +422,50 @@ def test_distribution_and_itl_split() -> None:
     assert bench.distribution(xs) == {"mean": 50.5, "p50": 50.0, "p90": 90.0, "p99": 99.0}
     assert bench.distribution([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
     # 8 tokens over 4 chunks: each gap is shared by 2 tokens
-    assert bench._itl_samples([0.1, 0.3, 0.4, 0.8], 8) == pytest.approx([0.1, 0.05, 0.2])
-    assert bench._itl_samples([0.1], 1) == []
+    assert bench_serve._itl_samples([0.1, 0.3, 0.4, 0.8], 8) == pytest.approx([0.1, 0.05, 0.2])
+    assert bench_serve._itl_samples([0.1], 1) == []
 
 
 def test_identity_error_names_prompt_and_position() -> None:
     err = bench.IdentityError(5, 2, [1, 2, 3, 4], [1, 2, 9, 4])
     assert err.code == 3 and "prompt 5" in str(err) and "position 2" in str(err)
+
+
+def test_missing_bench_extra_is_one_clear_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without the `bench` extra (openai, matplotlib) a mode that needs it stops with one line naming the extra."""
+    monkeypatch.setitem(sys.modules, "openai", None)  # `import openai` raises ImportError
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    assert bench.main(["serve", "--base-url", url, "--output-dir", str(tmp_path), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "openai" in err and 'pip install "dflash-serve[bench]"' in err, err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert bench.main(["offline", "--output-dir", str(tmp_path), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "matplotlib" in err and "openai" not in err and "[bench]" in err, err
+
+
+def test_prompt_file_errors_name_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "hi"}\n\n{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", '
+                    '"content": "a reference answer"}]}\n')
+    a, b = bench.load_prompts(str(path), None)
+    assert a.messages == [{"role": "user", "content": "hi"}] and a.source == "p"
+    assert b.messages == [{"role": "user", "content": "q"}]  # the trailing assistant message is dropped
+    path.write_text('{"prompt": "hi"}\n\n{"text": "no prompt"}\n')
+    with pytest.raises(bench.BenchError, match=f"{path}:3: expected 'messages', 'prompt' or 'turns'"):
+        bench.load_prompts(str(path), None)
+    path.write_text('{"prompt": "hi"}\n\nnot json\n')
+    with pytest.raises(bench.BenchError, match=f"{path}:3: not valid JSON"):
+        bench.load_prompts(str(path), None)
+
+
+def test_tokenizer_without_chat_template_is_refused() -> None:
+    from dflash_core.bench.offline import encode_prompt
+
+    class Plain:
+        chat_template = None
+
+    with pytest.raises(bench.BenchError, match="no chat template"):
+        encode_prompt(Plain(), [{"role": "user", "content": "hi"}])

@@ -64,7 +64,7 @@ def test_dockerignore_keeps_what_the_build_copies() -> None:
     patterns = [p.strip() for p in (REPO / ".dockerignore").read_text().splitlines()
                 if p.strip() and not p.startswith("#")]
     for path in ("docker/requirements.lock", "docker/entrypoint.sh", "pyproject.toml", "README.md",
-                 "dflash_core/bench.py", "server/app.py", "configs/demo.yaml"):
+                 "dflash_core/bench/cli.py", "server/app.py", "configs/demo.yaml"):
         parts = path.split("/")
         prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
         assert not any(fnmatch.fnmatch(pre, pat) for pat in patterns for pre in prefixes), path
@@ -85,8 +85,9 @@ def _lock() -> dict[str, tuple[str, list[str]]]:
 
 
 def _runtime_requirements() -> list[Requirement]:
-    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    return [Requirement(r) for r in pyproject["project"]["dependencies"]]
+    """What the image needs: pyproject's [project] dependencies and the `bench` extra (the image runs dflash-bench)."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    return [Requirement(r) for r in [*project["dependencies"], *project["optional-dependencies"]["bench"]]]
 
 
 def test_lock_pins_every_runtime_dependency_with_hashes() -> None:
@@ -350,6 +351,7 @@ def test_readme_install_commands() -> None:
 
 def test_readme_examples_use_a_prompt_the_demo_answers() -> None:
     """Every example asks the demo pair DEMO_PROMPT, and the demo's greedy answer is the one the README shows."""
+    from dflash_core.config import EngineConfig
     from dflash_core.loading import load_models
     from dflash_core.sampling import SamplingParams
 
@@ -364,7 +366,7 @@ def test_readme_examples_use_a_prompt_the_demo_answers() -> None:
     assert shown, "the README shows the demo's answer"
     expected = shown.group(1).replace("\\n", "\n")
 
-    models = load_models(device="cpu", dtype="float32", max_running_requests=1)
+    models = load_models(EngineConfig(device="cpu", dtype="float32", max_running_requests=1))
     tok = models.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": DEMO_PROMPT}], add_generation_prompt=True,
                                   tokenize=False)
@@ -381,9 +383,9 @@ def test_readme_examples_use_a_prompt_the_demo_answers() -> None:
 
 
 def test_readme_memory_table_is_computed() -> None:
-    from dflash_core import bench
+    from dflash_core.bench.memory import format_memory, memory_from_preset
 
     presets = ["qwen3-4b.yaml", "qwen3-8b.yaml", "llama3.1-8b.yaml"]
-    table = bench.format_memory([bench.memory_from_preset(REPO / "configs" / n) for n in presets])
+    table = format_memory([memory_from_preset(REPO / "configs" / n) for n in presets])
     assert table in README, "README's GPU memory table differs from `dflash-bench memory`"
     assert "~20 GB" not in README

@@ -19,7 +19,9 @@ import pytest
 import torch
 from openai import OpenAI
 
-from dflash_core.bench import Prompt, encode_chat
+from dflash_core.bench.prompts import Prompt
+from dflash_core.chat import encode_chat
+from dflash_core.config import EngineConfig
 from dflash_core.loading import load_models
 from dflash_core.sampling import SamplingParams
 from tests.server_fixtures import ServerProcess, start_server
@@ -71,8 +73,8 @@ def run_to_end(engine: Any, prompt: list[int], params: SamplingParams) -> tuple[
 def test_engine_acceptance_guard(backend: str) -> None:
     """Mean acceptance length on fixed prompts stays within 10% of the recorded value; outputs equal plain."""
     torch.set_num_threads(1)
-    spec = load_models(device="cpu", dtype="float32", backend=backend)
-    plain = load_models(device="cpu", dtype="float32", backend=backend, speculative=False)
+    spec = load_models(EngineConfig(device="cpu", dtype="float32", backend=backend))
+    plain = load_models(EngineConfig(device="cpu", dtype="float32", backend=backend, speculative=False))
     drafts = accepted = 0
     for p in guard_prompts():
         ids = encode_chat(spec.tokenizer, p.messages)

@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop strings (server/detokenize.py) on a real byte-level BPE tokenizer."""
+"""Incremental detokenization and stop strings (dflash_core/detokenize.py) on a real byte-level BPE tokenizer."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from server.detokenize import (
+from dflash_core.detokenize import (
     IncrementalDetokenizer,
     RequestDecoder,
     StopMatcher,

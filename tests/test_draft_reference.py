@@ -15,9 +15,11 @@ from typing import Any
 import pytest
 import torch
 
+from dflash_core.config import EngineConfig
 from dflash_core.draft import DFlashDraft
-from dflash_core.engine import DFlashDrafter, Engine
+from dflash_core.engine import Engine
 from dflash_core.loading import LoadedModels, load_models
+from dflash_core.runners.drafter import DFlashDrafter
 from dflash_core.sampling import SamplingParams
 from tests.helpers import Proposal, RecordingDrafter
 from tests.test_engine import run_all, tokens
@@ -33,7 +35,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module", params=["hf", "native"])
 def demo(request) -> LoadedModels:
-    return load_models(block_size=BLOCK, backend=request.param, max_running_requests=4)
+    return load_models(EngineConfig(block_size=BLOCK, backend=request.param, max_running_requests=4))
 
 
 def demo_prompts(models: LoadedModels, n: int) -> list[list[int]]:

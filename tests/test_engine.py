@@ -10,13 +10,15 @@ from typing import Any
 import pytest
 import torch
 
+from dflash_core.config import EngineConfig
 from dflash_core.engine import Engine, StepOutput
 from dflash_core.loading import load_models
+from dflash_core.runners.base import PerRequestDrafter
 from dflash_core.sampling import SamplingParams
 from tests.helpers import make_tiny_pair
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(PerRequestDrafter):
     """Proposes the target's true greedy continuation for the first k tokens of each block, then wrong tokens.
 
     k cycles through `pattern`, so short and full acceptances (and the bonus token) all occur.
@@ -29,7 +31,7 @@ class ScriptedDrafter:
         self.vocab = vocab
         self.pattern = pattern
 
-    def new_state(self, prompt_token_ids: list[int]) -> tuple[list[int], itertools.cycle]:
+    def new_state(self, slot: int, prompt_token_ids: list[int]) -> tuple[list[int], itertools.cycle]:
         return list(prompt_token_ids) + self.references[tuple(prompt_token_ids)], itertools.cycle(self.pattern)
 
     def extend_context(self, state: tuple, features: torch.Tensor) -> None:
@@ -42,14 +44,14 @@ class ScriptedDrafter:
         return [t if k < good else (t + 1) % self.vocab for k, t in enumerate(truth)]
 
 
-class OracleDrafter:
+class OracleDrafter(PerRequestDrafter):
     """Proposes the target's own greedy continuation of the actual committed sequence (a perfect greedy draft)."""
 
     def __init__(self, model, block_size: int) -> None:
         self.model = model
         self.block_size = block_size
 
-    def new_state(self, prompt_token_ids: list[int]) -> dict:
+    def new_state(self, slot: int, prompt_token_ids: list[int]) -> dict:
         return {"seq": list(prompt_token_ids), "last": None, "proposals": []}
 
     def extend_context(self, state: dict, features: torch.Tensor) -> None:
@@ -106,7 +108,7 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 def pair(request, tmp_path_factory) -> tuple[Path, Path, object]:
     arch, backend = request.param
     target_dir, draft_dir = make_tiny_pair(tmp_path_factory.mktemp(arch), arch=arch)
-    models = load_models(str(target_dir), str(draft_dir), backend=backend)
+    models = load_models(EngineConfig(str(target_dir), str(draft_dir), backend=backend))
     return target_dir, draft_dir, models
 
 
@@ -142,7 +144,7 @@ def test_greedy_identical_with_scripted_draft(pair, references, block_size):
 @pytest.mark.parametrize("block_size", [2, 8, 16])
 def test_greedy_identical_with_real_draft(pair, references, block_size):
     _, draft_dir, _ = pair
-    models = load_models(str(pair[0]), str(draft_dir), block_size=block_size, backend=pair[2].backend)
+    models = load_models(EngineConfig(str(pair[0]), str(draft_dir), block_size=block_size, backend=pair[2].backend))
     engine = models.engine
     engine.eos_token_ids = []
     ids = {engine.add_request(list(p), SamplingParams(max_tokens=NEW_TOKENS)): ref for p, ref in references.items()}
@@ -208,7 +210,8 @@ def test_seeded_sampling_reproducible_and_equal_to_plain_sampling(pair):
     prompt = [5, 6, 7, 8, 9]
     outs = []
     for block_size in (16, 16, 1):
-        engine = load_models(str(target_dir), str(draft_dir), block_size=block_size, backend=models.backend).engine
+        config = EngineConfig(str(target_dir), str(draft_dir), block_size=block_size, backend=models.backend)
+        engine = load_models(config).engine
         rid = engine.add_request(prompt, SamplingParams(**{**SAMPLED.__dict__, "stop_token_ids": []}))
         outs.append(tokens(run_all(engine)[rid]))
     assert outs[0] == outs[1]
@@ -218,7 +221,7 @@ def test_seeded_sampling_reproducible_and_equal_to_plain_sampling(pair):
 
 def test_isolation_interleaved_and_abort(pair):
     target_dir, draft_dir, _ = pair
-    engine = load_models(str(target_dir), str(draft_dir), backend=pair[2].backend).engine
+    engine = load_models(EngineConfig(str(target_dir), str(draft_dir), backend=pair[2].backend)).engine
     engine.eos_token_ids = []
     main_params = SamplingParams(max_tokens=30, temperature=0.8, top_k=50, seed=7)
     solo_id = engine.add_request([20, 21, 22], main_params)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dflash_core.config import DraftConfig, build_target_layer_ids
+from dflash_core.config import DraftConfig, EngineConfig, build_target_layer_ids
 from dflash_core.loading import load_models
 from dflash_core.sampling import SamplingParams
 from tests.helpers import make_tiny_pair
@@ -109,8 +109,8 @@ def test_block_size_at_top_level_or_in_dflash_config():
 
 def test_zlab_folder_loads_and_decodes_losslessly(target_dir, tmp_path):
     draft_dir = write_zlab(tmp_path / "zlab-draft", zlab_config(), zlab_weights())
-    models = load_models(str(target_dir), str(draft_dir))
-    plain = load_models(str(target_dir), None)
+    models = load_models(EngineConfig(str(target_dir), str(draft_dir)))
+    plain = load_models(EngineConfig(str(target_dir), None))
     assert models.block_size == 16 and plain.block_size == 1
     outs = []
     for engine in (models.engine, plain.engine):
@@ -127,7 +127,7 @@ def test_zlab_folder_loads_and_decodes_losslessly(target_dir, tmp_path):
 def test_sliding_window_layers_run(target_dir, tmp_path):
     cfg = zlab_config(layer_types=["sliding_attention", "full_attention"], sliding_window=4, use_sliding_window=True)
     draft_dir = write_zlab(tmp_path / "swa-draft", cfg, zlab_weights())
-    models = load_models(str(target_dir), str(draft_dir))
+    models = load_models(EngineConfig(str(target_dir), str(draft_dir)))
     models.engine.add_request(list(range(4, 40)), SamplingParams(max_tokens=20))
     while models.engine.has_unfinished():
         models.engine.step()
@@ -147,9 +147,9 @@ def test_sliding_window_layers_run(target_dir, tmp_path):
 def test_mismatched_pair_fails_naming_the_field(target_dir, tmp_path, overrides, weights, field):
     draft_dir = write_zlab(tmp_path / "bad", zlab_config(**overrides), weights or zlab_weights())
     with pytest.raises(ValueError, match=field):
-        load_models(str(target_dir), str(draft_dir))
+        load_models(EngineConfig(str(target_dir), str(draft_dir)))
 
 
 def test_missing_folder_is_a_clear_error(target_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="neither a local folder"):
-        load_models(str(target_dir), str(tmp_path / "no-such-draft"))
+        load_models(EngineConfig(str(target_dir), str(tmp_path / "no-such-draft")))

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflash_core.config import EngineConfig
 from dflash_core.engine import Engine
 from dflash_core.loading import load_models
-from dflash_core.native import NativeTarget
+from dflash_core.runners.hf import HFTarget
+from dflash_core.runners.native import NativeTarget
 from dflash_core.sampling import SamplingParams
-from dflash_core.target import HFTarget
 from tests.helpers import make_tiny_pair
 from tests.test_engine import ScriptedDrafter, hf_greedy, run_all, tokens
 
@@ -19,7 +20,7 @@ LAYER_IDS = [0, 2, 3]  # includes the last layer, whose feature transformers ret
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def model(request, tmp_path_factory):
     target_dir, _ = make_tiny_pair(tmp_path_factory.mktemp(f"native-{request.param}"), arch=request.param)
-    return load_models(str(target_dir), None).engine.target.model
+    return load_models(EngineConfig(str(target_dir), None)).engine.target.model
 
 
 def full_pass(model, seq: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,7 +35,7 @@ def test_prefill_verify_rollback_match_transformers(model):
     g = torch.Generator().manual_seed(0)
     seq = torch.randint(4, 300, (60,), generator=g).tolist()
     ref_logits, ref_feats = full_pass(model, seq)
-    slot = native.new_cache()
+    slot = native.new_cache(0)
     out = native.forward(seq[:30], 0, slot, features=True)
     torch.testing.assert_close(out.logits, ref_logits[:30], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out.features, ref_feats[:30], rtol=1e-4, atol=1e-4)
@@ -50,7 +51,7 @@ def test_prefill_verify_rollback_match_transformers(model):
 def test_batched_rows_equal_single_rows(model):
     native = NativeTarget(model, LAYER_IDS, max_slots=3, max_len=128)
     seqs = [list(range(5, 25)), list(range(40, 47)), list(range(100, 150))]
-    slots = [native.new_cache() for _ in seqs]
+    slots = [native.new_cache(i) for i in range(len(seqs))]
     prefix = [11, 5, 33]
     for seq, slot, n in zip(seqs, slots, prefix):
         native.forward(seq[:n], 0, slot, features=False)
@@ -61,9 +62,6 @@ def test_batched_rows_equal_single_rows(model):
         torch.testing.assert_close(out.logits, ref_logits[n:], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(out.features, ref_feats[n:], rtol=1e-4, atol=1e-4)
     assert [s.length for s in slots] == [15, 7, 49]
-    for slot in slots:
-        native.release(slot)
-    assert native.has_free_cache()
 
 
 def test_engine_on_native_backend_is_lossless(model):
@@ -76,13 +74,13 @@ def test_engine_on_native_backend_is_lossless(model):
     outs = run_all(engine)
     for rid, ref in ids.items():
         assert tokens(outs[rid]) == ref
-    assert native.has_free_cache() and len(native._free) == 2
+    assert engine.slots.capacity == 2 and engine.slots.num_free() == 2  # every slot back in the pool
 
 
 def test_load_models_native_backend(tmp_path):
     target_dir, draft_dir = make_tiny_pair(tmp_path)
-    hf = load_models(str(target_dir), str(draft_dir), backend="hf")
-    nat = load_models(str(target_dir), str(draft_dir), backend="native", max_running_requests=4)
+    hf = load_models(EngineConfig(str(target_dir), str(draft_dir), backend="hf"))
+    nat = load_models(EngineConfig(str(target_dir), str(draft_dir), backend="native", max_running_requests=4))
     assert nat.backend == "native" and hf.backend == "hf"
     outs = []
     for models in (hf, nat):
@@ -95,10 +93,10 @@ def test_load_models_native_backend(tmp_path):
 
 def test_batched_slot_drafts_equal_per_request_drafts(tmp_path):
     from dflash_core.draft import DFlashDraft
-    from dflash_core.engine import DFlashDrafter
+    from dflash_core.runners.drafter import DFlashDrafter
 
     target_dir, draft_dir = make_tiny_pair(tmp_path)
-    models = load_models(str(target_dir), str(draft_dir), backend="native")
+    models = load_models(EngineConfig(str(target_dir), str(draft_dir), backend="native"))
     target = models.engine.target
     draft = DFlashDraft.from_folder(draft_dir)
     batched = DFlashDrafter(draft, target, 16, max_slots=3, max_len=256)
@@ -106,7 +104,7 @@ def test_batched_slot_drafts_equal_per_request_drafts(tmp_path):
     g = torch.Generator().manual_seed(0)
     feat_dim = len(draft.cfg.target_layer_ids) * 64
     lengths, widths = (5, 40, 17), (15, 3, 9)
-    states = [(batched.new_state([]), single.new_state([])) for _ in lengths]
+    states = [(batched.new_state(slot, []), single.new_state(slot, [])) for slot in range(len(lengths))]
     for round_ in range(3):  # context arrives in pieces of different sizes
         items_b, expected = [], []
         for i, ((sb, ss), n, w) in enumerate(zip(states, lengths, widths)):
@@ -117,6 +115,3 @@ def test_batched_slot_drafts_equal_per_request_drafts(tmp_path):
             items_b.append((sb, 7 + i, pos, w))
             expected.append(single.propose(ss, 7 + i, pos, w))
         assert batched.propose_batch(items_b) == expected
-    for sb, _ in states:
-        batched.release(sb)
-    assert len(batched.slots._free) == 3

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from dflash_core.engine import Engine
-from dflash_core.native import NativeTarget
+from dflash_core.runners.hf import HFTarget
+from dflash_core.runners.native import NativeTarget
 from dflash_core.sampling import SamplingParams, choose_tokens, position_uniform, processed_probs
-from dflash_core.target import HFTarget
 from tests.helpers import make_target
 from tests.test_engine import OracleDrafter, ScriptedDrafter, predicted_acceptance, run_all, tokens
 
@@ -266,9 +266,6 @@ class TreeArgmaxDrafter(OracleDrafter):
             node += (best,)
         state["proposals"] = proposals
         return proposals
-
-    def propose_batch(self, items: list) -> list[list[int]]:
-        return [self.propose(*item) for item in items]
 
 
 def test_accepted_tokens_follow_the_exact_target_law(tiny_model, record_property):

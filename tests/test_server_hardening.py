@@ -30,6 +30,8 @@ import openai
 import pytest
 
 import server.app as server_app
+import server.runs as server_runs
+import server.streaming as server_streaming
 from server.protocol import ChatCompletionRequest
 from server.settings import Settings
 from tests.helpers import CHATML_TEMPLATE
@@ -168,10 +170,11 @@ class InProc:
 
 @pytest.fixture(scope="module")
 def inproc(pair: tuple[Path, Path]) -> Iterator[InProc]:
+    from dflash_core.config import EngineConfig
     from dflash_core.loading import load_models
 
     target, draft = pair
-    models = load_models(target=target, draft=draft, device="cpu", max_running_requests=2)
+    models = load_models(EngineConfig(target=target, draft=draft, device="cpu", max_running_requests=2))
     spy = SpyTokenizer(models.tokenizer)
     models.tokenizer = spy
     models.engine = FlakyEngine(models.engine)
@@ -282,7 +285,7 @@ def test_megabytes_of_message_cost_neither_time_nor_memory(hard: Hard) -> None:
 
 
 def test_long_tokenizations_are_bounded(inproc: InProc, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(server_app, "TOKENIZE_LIMIT_CHARS", 0)  # every prompt counts as long
+    monkeypatch.setattr(server_runs, "TOKENIZE_LIMIT_CHARS", 0)  # every prompt counts as long
     limiter = inproc.state.tokenize_limiter
     monkeypatch.setattr(limiter, "max_waiting", 2)
     spy = inproc.tokenizer
@@ -742,7 +745,7 @@ def test_stream_wire_format(hard: Hard) -> None:
 
 def test_engine_refusal_before_the_stream_is_an_http_error(inproc: InProc, monkeypatch: pytest.MonkeyPatch) -> None:
     # however slow the machine, wait for the worker's verdict
-    monkeypatch.setattr(server_app, "STREAM_HEADERS_GRACE_S", 60.0, raising=False)
+    monkeypatch.setattr(server_streaming, "STREAM_HEADERS_GRACE_S", 60.0)
     body = {"model": SERVED_NAME, "prompt": "x", "max_tokens": 5, "seed": REFUSE_SEED, "stream": True}
     r = httpx.post(f"{inproc.url}/v1/completions", json=body, timeout=60)
     assert "refuses" in envelope(r, 400)["message"]
@@ -751,7 +754,7 @@ def test_engine_refusal_before_the_stream_is_an_http_error(inproc: InProc, monke
 
 def test_stream_to_a_client_that_stops_reading_is_aborted(monkeypatch: pytest.MonkeyPatch) -> None:
     """A send that waits longer than SSE_SEND_TIMEOUT_S ends the stream and closes its body (aborting its run)."""
-    monkeypatch.setattr(server_app, "SSE_SEND_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(server_streaming, "SSE_SEND_TIMEOUT_S", 0.2)
     closed = asyncio.Event()
 
     async def body() -> Any:
@@ -759,7 +762,7 @@ def test_stream_to_a_client_that_stops_reading_is_aborted(monkeypatch: pytest.Mo
             while True:
                 yield b"data: x\n\n"
         finally:
-            closed.set()  # _stream's finally: run.close() aborts the engine requests
+            closed.set()  # stream_body's finally: run.close() aborts the engine requests
 
     async def run() -> None:
         sent: list[dict[str, Any]] = []
@@ -774,7 +777,7 @@ def test_stream_to_a_client_that_stops_reading_is_aborted(monkeypatch: pytest.Mo
             await never.wait()
             return {"type": "http.disconnect"}
 
-        response = server_app._event_stream(body(), 30.0, "req-test")
+        response = server_streaming.event_stream(body(), 30.0, "req-test")
         scope = {"type": "http", "method": "POST", "path": "/", "headers": []}
         await asyncio.wait_for(response(scope, receive, send), 10)
         assert closed.is_set() and sent[0]["type"] == "http.response.start"

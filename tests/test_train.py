@@ -89,11 +89,12 @@ def test_train_tiny_target_end_to_end(tiny: dict[str, Path]) -> None:
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["eval"]["outputs_identical"] is True
 
+    from dflash_core.config import EngineConfig
     from dflash_core.loading import load_models
     from dflash_core.sampling import SamplingParams
 
-    spec = load_models(str(tiny["target"]), str(out), device="cpu", dtype="float32")
-    ar = load_models(str(tiny["target"]), None, device="cpu", dtype="float32", speculative=False)
+    spec = load_models(EngineConfig(str(tiny["target"]), str(out), device="cpu", dtype="float32"))
+    ar = load_models(EngineConfig(str(tiny["target"]), None, device="cpu", dtype="float32", speculative=False))
     assert spec.block_size == 8
     prompt = spec.tokenizer.apply_chat_template([{"role": "user", "content": "Hello there"}], tokenize=False,
                                                 add_generation_prompt=True)
@@ -131,11 +132,11 @@ def test_resume_continues_from_checkpoint(
             raise KeyboardInterrupt
         return real_loss(*a, **k)
 
-    monkeypatch.setattr(train, "block_loss", crashing_loss)
+    monkeypatch.setattr(train.loop, "block_loss", crashing_loss)
     assert train.main(args) == 130
     assert (out / train.CHECKPOINT_DIR / "trainer_state.pt").exists()
     assert (out / train.DATA_FILE).exists() and not (out / "model.safetensors").exists()
-    monkeypatch.setattr(train, "block_loss", real_loss)
+    monkeypatch.setattr(train.loop, "block_loss", real_loss)
     assert train.main(args) != 0  # a non-empty output needs --resume
     assert train.main(args + ["--resume"]) == 0
     assert "resumed from" in capsys.readouterr().out
@@ -235,3 +236,20 @@ def test_bad_input_message(tiny: dict[str, Path], tmp_path: Path) -> None:
                    "--block-size", "1")
     assert res.returncode != 0 and "--block-size must be at least 2" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_messages_rows_need_a_chat_template(tiny: dict[str, Path], tmp_path: Path,
+                                            capsys: pytest.CaptureFixture) -> None:
+    """One policy (dflash_core.chat): without a chat template `messages` rows are refused, not given a made-up
+    format; the message says what to do instead, and no output is left behind."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny["target"]))
+    tok.chat_template = None
+    tok.save_pretrained(str(tmp_path / "plain_tok"))
+    out = tmp_path / "out" / "draft"
+    rc = train.main(["--target", str(tiny["target"]), "--tokenizer", str(tmp_path / "plain_tok"), "--data",
+                     str(tiny["data"]), "--output", str(out), "--steps", "2", "--threads", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "chat template" in err and "'prompt'/'text' rows" in err
+    assert not (tmp_path / "out").exists()

@@ -21,7 +21,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as dflash-bench: busy-wai
 
 import torch  # noqa: E402
 
-from dflash_core.demo.synth import examples, generatable_wordings, heldout_prompts, write_jsonl  # noqa: E402
+from dflash_core.demo.synth import examples, generatable_wordings, heldout_prompts  # noqa: E402
+from dflash_core.jsonl import read_jsonl, write_jsonl  # noqa: E402
 
 DEMO_DIR = Path(__file__).resolve().parent
 HELDOUT = DEMO_DIR / "heldout_prompts.jsonl"
@@ -41,8 +42,7 @@ def write_heldout(path: Path = HELDOUT) -> None:
 
 def handwritten_texts(path: Path = HANDWRITTEN) -> list[str]:
     """The hand-written held-out prompts (user message only)."""
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line)["messages"][0]["content"] for line in f if line.strip()]
+    return [row["messages"][0]["content"] for row in read_jsonl(path)]
 
 
 def check_handwritten(n: int = 100_000) -> None:

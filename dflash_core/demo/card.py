@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from dflash_core.jsonl import read_jsonl
 from dflash_core.train import evaluate
 
 
@@ -28,9 +29,11 @@ TOLERANCE = {"acceptance_length_relative": 0.10, "distinct_4gram_median_absolute
 def speed(target_dir: Path, draft_dir: Path, path: Path, name: str, n: int, max_new_tokens: int) -> dict[str, Any]:
     """`dflash-bench offline` (plain and DFlash interleaved per prompt) at each torch thread setting in THREADS;
     the speedup quoted is best against best: each side at its own fastest setting."""
-    from dflash_core.bench import IdentityError, read_jsonl, run_offline
+    from dflash_core.bench.errors import IdentityError
+    from dflash_core.bench.offline import run_offline
+    from dflash_core.bench.prompts import read_prompts
 
-    prompts = read_jsonl(path, name)[:n]
+    prompts = read_prompts(path, name)[:n]
     before = torch.get_num_threads()
     by_threads: dict[str, Any] = {}
     identical = True
@@ -74,7 +77,7 @@ def evaluate_and_write_card(
     t0 = time.time()
     res: dict[str, Any] = {}
     for name, path in sets.items():
-        n = sum(1 for line in open(path, encoding="utf-8") if line.strip())
+        n = len(read_jsonl(path))
         torch.set_num_threads(1)
         r = evaluate(target_dir, draft_dir, path, n=n, max_new_tokens=max_new_tokens, speedup=False, device="cpu")
         r.pop("dflash_seconds", None)

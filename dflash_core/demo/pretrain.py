@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
+from dflash_core.chat import render_chat
 from dflash_core.demo.synth import examples
 from dflash_core.demo.tokenizer import save_tokenizer, train_tokenizer
 
@@ -39,7 +40,7 @@ def stdlib_texts(max_chars: int, seed: int) -> list[str]:
 
 def chat_text(tok: PreTrainedTokenizerFast, messages: list[dict[str, str]]) -> str:
     """A chat rendered with the ChatML template."""
-    return tok.apply_chat_template(messages, tokenize=False)
+    return render_chat(tok, messages, add_generation_prompt=False)
 
 
 def build_tokenizer(seed: int, exclude: set[str], vocab_size: int, folder: Path) -> PreTrainedTokenizerFast:

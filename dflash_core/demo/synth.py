@@ -10,165 +10,28 @@ predict long runs of them whatever the wording of the question. The hand-written
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Callable, Iterator
-from pathlib import Path
+
+from dflash_core.demo.phrasing import (
+    CONTAINERS,
+    FACTS,
+    GREETINGS,
+    ITEMS,
+    NAMES,
+    UNITS,
+    num,
+    number_words,
+    pick,
+    surface,
+)
 
 Message = dict[str, str]
-
-NAMES = ["Ana", "Ben", "Chloe", "David", "Emma", "Farid", "Grace", "Hugo", "Ines", "Jamal", "Kira", "Liam", "Maya",
-         "Noah", "Olga", "Pablo", "Quinn", "Rosa", "Sam", "Tara", "Umar", "Vera", "Wen", "Yusuf", "Zoe"]
-ITEMS = ["apples", "books", "marbles", "pencils", "stickers", "cookies", "stamps", "shells", "cards", "coins",
-         "oranges", "balloons", "candles", "buttons", "eggs", "plants", "toy cars", "cupcakes"]
-CONTAINERS = ["boxes", "bags", "baskets", "jars", "crates", "shelves", "trays"]
-
-# (unit, plural, other unit, plural, factor): 1 unit = factor other units
-UNITS = [
-    ("kilometer", "kilometers", "meter", "meters", 1000),
-    ("meter", "meters", "centimeter", "centimeters", 100),
-    ("centimeter", "centimeters", "millimeter", "millimeters", 10),
-    ("kilogram", "kilograms", "gram", "grams", 1000),
-    ("liter", "liters", "milliliter", "milliliters", 1000),
-    ("hour", "hours", "minute", "minutes", 60),
-    ("minute", "minutes", "second", "seconds", 60),
-    ("day", "days", "hour", "hours", 24),
-    ("week", "weeks", "day", "days", 7),
-    ("year", "years", "month", "months", 12),
-    ("foot", "feet", "inch", "inches", 12),
-    ("yard", "yards", "foot", "feet", 3),
-    ("gallon", "gallons", "quart", "quarts", 4),
-    ("dozen", "dozens", "item", "items", 12),
-]
-
-FACTS = [
-    ("What is the capital of France?", "The capital of France is Paris. It is also the largest city in the country."),
-    ("What is the capital of Japan?", "The capital of Japan is Tokyo, one of the largest cities in the world."),
-    ("What is the capital of Italy?", "The capital of Italy is Rome, a city with a history of more than two "
-     "thousand years."),
-    ("What is the capital of Canada?", "The capital of Canada is Ottawa, in the province of Ontario."),
-    ("What is the capital of Kenya?", "The capital of Kenya is Nairobi."),
-    ("What is the capital of Brazil?", "The capital of Brazil is Brasilia, a planned city built in the 1950s."),
-    ("How many days are in a leap year?", "A leap year has 366 days. The extra day is February 29."),
-    ("How many sides does a hexagon have?", "A hexagon has 6 sides and 6 corners."),
-    ("How many sides does a triangle have?", "A triangle has 3 sides. Its three angles add up to 180 degrees."),
-    ("What is the boiling point of water?", "At sea level, water boils at 100 degrees Celsius, which is 212 "
-     "degrees Fahrenheit."),
-    ("What is the freezing point of water?", "Water freezes at 0 degrees Celsius, or 32 degrees Fahrenheit."),
-    ("What is a prime number?", "A prime number is a whole number greater than 1 whose only divisors are 1 and "
-     "itself. For example, 2, 3, 5, 7 and 11 are prime."),
-    ("What is an even number?", "An even number is a whole number that can be divided by 2 with no remainder, "
-     "such as 2, 4, 10 or 36."),
-    ("What does a Python list do?", "A Python list stores an ordered sequence of values. You can add items with "
-     "append, read them by index and loop over them with a for loop."),
-    ("What is a dictionary in Python?", "A dictionary maps keys to values. You write it with braces, for example "
-     "{\"a\": 1}, and look a value up with d[key] or d.get(key)."),
-    ("What is a function?", "A function is a named block of code that takes inputs, does some work and can "
-     "return a result. In Python you define one with the def keyword."),
-    ("What is the largest planet in the solar system?", "Jupiter is the largest planet in the solar system. It "
-     "is a gas giant, more than eleven times wider than Earth."),
-    ("How many continents are there?", "There are seven continents: Africa, Antarctica, Asia, Australia, Europe, "
-     "North America and South America."),
-    ("What is photosynthesis?", "Photosynthesis is the process plants use to turn light, water and carbon "
-     "dioxide into sugar and oxygen."),
-    ("Why is the sky blue?", "Sunlight is scattered by the air, and blue light is scattered much more than red "
-     "light. That scattered blue light reaches our eyes from every direction, so the sky looks blue."),
-]
-
-GREETINGS = [
-    ("Hello!", "Hello! How can I help you today? I can work through arithmetic, convert units, solve word "
-     "problems or write small Python functions."),
-    ("Hi, who are you?", "I am a small demo assistant. I answer simple math questions step by step, convert "
-     "units and write short Python code."),
-    ("What can you do?", "I can add, subtract, multiply and divide numbers step by step, solve short word "
-     "problems, convert between units and write small Python functions."),
-    ("Thanks!", "You are welcome! Let me know if you have another question."),
-    ("hey", "Hello! How can I help you today? I can work through arithmetic, convert units, solve word "
-     "problems or write small Python functions."),
-    ("Good morning!", "Good morning! How can I help you today? I can do arithmetic step by step, convert units "
-     "and write small Python functions."),
-    ("Thank you so much.", "You are welcome! Let me know if you have another question."),
-    ("What are you good at?", "I can add, subtract, multiply and divide numbers step by step, solve short word "
-     "problems, convert between units and write small Python functions."),
-    ("Are you a big model?", "No. I am a tiny demo model with a few million parameters, trained on synthetic "
-     "arithmetic, unit conversions and small Python functions."),
-]
-
-
-def _pick(rng: random.Random, options: list[str]) -> str:
-    return options[rng.randrange(len(options))]
-
-
-_ONES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
-         "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen"]
-_TENS = ["", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"]
-
-
-def number_words(n: int) -> str:
-    """0 <= n < 100 in words: 48 -> "forty-eight"."""
-    if n < 20:
-        return _ONES[n]
-    t, o = divmod(n, 10)
-    return _TENS[t] + ("-" + _ONES[o] if o else "")
-
-
-def num(rng: random.Random, n: int, words: float = 0.08) -> str:
-    """A number as a user might type it: digits, sometimes words (below 100), thousands with a comma."""
-    if 0 <= n < 100 and rng.random() < words:
-        return number_words(n)
-    if n >= 1000 and rng.random() < 0.5:
-        return f"{n:,}"
-    return str(n)
-
-
-PREFIXES = ["Hi! ", "Hey, ", "Hello. ", "Quick question: ", "Question: ", "Help me with this: ", "Can you help? ",
-            "I have a question. ", "ok so ", "Hi there, ", "Good morning! ", "Homework: "]
-SUFFIXES = [" Thanks!", " Thank you.", " Please show the steps.", " please", " thx", " Thanks in advance.",
-            " I'm stuck.", " Explain briefly."]
-
-
-def typo(rng: random.Random, text: str) -> str:
-    """One keyboard slip in a word of 4+ letters: swapped, dropped or doubled letter."""
-    words = text.split(" ")
-    idx = [i for i, w in enumerate(words) if len(w) >= 4 and w.isalpha()]
-    if not idx:
-        return text
-    i = idx[rng.randrange(len(idx))]
-    w = words[i]
-    j = rng.randrange(1, len(w) - 1)
-    kind = rng.randrange(3)
-    if kind == 0:
-        w = w[:j] + w[j + 1] + w[j] + w[j + 2:]
-    elif kind == 1:
-        w = w[:j] + w[j + 1:]
-    else:
-        w = w[:j] + w[j] + w[j:]
-    words[i] = w
-    return " ".join(words)
-
-
-def surface(rng: random.Random, q: str) -> str:
-    """Surface variation of a prompt: greetings, thanks, casing, missing punctuation, a typo."""
-    if rng.random() < 0.08:
-        q = typo(rng, q)
-    if rng.random() < 0.15 and q[-1] in ".?":
-        q = q[:-1]
-    if rng.random() < 0.14:
-        q = _pick(rng, PREFIXES) + q
-    if rng.random() < 0.12:
-        q = q + _pick(rng, SUFFIXES)
-    r = rng.random()
-    if r < 0.12:
-        q = q.lower()
-    elif r < 0.14:
-        q = q.upper()
-    return q
-
 
 def addition(rng: random.Random) -> tuple[str, str]:
     a, b = rng.randint(10, 999), rng.randint(10, 999)
     A, B = num(rng, a), num(rng, b)
-    q = _pick(rng, [f"What is {A} + {B}?", f"Add {A} and {B}.", f"Compute {A} + {B}.",
+    q = pick(rng, [f"What is {A} + {B}?", f"Add {A} and {B}.", f"Compute {A} + {B}.",
                     f"What is the sum of {A} and {B}?", f"Please calculate {A} plus {B}.", f"{A} + {B} = ?",
                     f"{A}+{B}", f"What's {A} plus {B}?", f"How much is {A} and {B} together?",
                     f"Find the total of {A} and {B}.", f"I need the sum of {A} and {B}.",
@@ -176,7 +39,7 @@ def addition(rng: random.Random) -> tuple[str, str]:
                     f"sum of {A} and {B}?", f"Tell me what {A} + {B} equals."])
     ones = a % 10 + b % 10
     rest = (a - a % 10) + (b - b % 10)
-    ans = _pick(rng, [
+    ans = pick(rng, [
         f"Let's add step by step.\nFirst the tens and hundreds: {a - a % 10} + {b - b % 10} = {rest}.\n"
         f"Then the ones: {a % 10} + {b % 10} = {ones}.\nFinally {rest} + {ones} = {a + b}.\n"
         f"So {a} + {b} = {a + b}.",
@@ -192,14 +55,14 @@ def subtraction(rng: random.Random) -> tuple[str, str]:
     a = rng.randint(50, 999)
     b = rng.randint(10, a - 1)
     A, B = num(rng, a), num(rng, b)
-    q = _pick(rng, [f"What is {A} - {B}?", f"Subtract {B} from {A}.", f"Compute {A} minus {B}.",
+    q = pick(rng, [f"What is {A} - {B}?", f"Subtract {B} from {A}.", f"Compute {A} minus {B}.",
                     f"What is the difference between {A} and {B}?", f"{A} - {B} = ?", f"{A}-{B}",
                     f"What's {A} minus {B}?", f"How much is {A} take away {B}?", f"Take {B} away from {A}.",
                     f"If I have {A} and remove {B}, how many are left?", f"Find {A} minus {B}.",
                     f"Could you subtract {B} from {A}?", f"{A} minus {B}", f"I need {A} minus {B}.",
                     f"How much is left when {B} is taken from {A}?", f"Calculate {A} - {B} please."])
     step = b - b % 10
-    ans = _pick(rng, [
+    ans = pick(rng, [
         f"Let's subtract in two steps.\nFirst take away {step}: {a} - {step} = {a - step}.\n"
         f"Then take away {b % 10}: {a - step} - {b % 10} = {a - b}.\nSo {a} - {b} = {a - b}.",
         f"{a} - {b} = {a - b}.\nCheck by adding back: {a - b} + {b} = {a}, so the answer is {a - b}.",
@@ -210,7 +73,7 @@ def subtraction(rng: random.Random) -> tuple[str, str]:
 def multiplication(rng: random.Random) -> tuple[str, str]:
     a, b = rng.randint(11, 99), rng.randint(2, 19)
     A, B = num(rng, a), num(rng, b)
-    q = _pick(rng, [f"What is {A} x {B}?", f"Multiply {A} by {B}.", f"Compute {A} times {B}.",
+    q = pick(rng, [f"What is {A} x {B}?", f"Multiply {A} by {B}.", f"Compute {A} times {B}.",
                     f"What is the product of {A} and {B}?", f"What is {A} * {B}?", f"{A} * {B} = ?", f"{A}x{B}",
                     f"What's {A} times {B}?", f"How much is {A} multiplied by {B}?",
                     f"Find the product of {A} and {B}.",
@@ -218,7 +81,7 @@ def multiplication(rng: random.Random) -> tuple[str, str]:
                     f"What do you get when you multiply {A} by {B}?", f"Calculate {A} * {B} please.",
                     f"{B} groups of {A}: how many is that?"])
     t, o = a - a % 10, a % 10
-    ans = _pick(rng, [
+    ans = pick(rng, [
         f"Break {a} into {t} + {o}.\n{t} x {b} = {t * b}.\n{o} x {b} = {o * b}.\n"
         f"Add the parts: {t * b} + {o * b} = {a * b}.\nSo {a} x {b} = {a * b}.",
         f"We can use the distributive property.\n{a} x {b} = ({t} + {o}) x {b} = {t * b} + {o * b} = {a * b}.\n"
@@ -232,7 +95,7 @@ def division(rng: random.Random) -> tuple[str, str]:
     rem = rng.choice([0, 0, rng.randint(1, b - 1)])
     a = b * quot + rem
     A, B = num(rng, a), num(rng, b)
-    q = _pick(rng, [f"What is {A} divided by {B}?", f"Divide {A} by {B}.", f"Compute {A} / {B}.",
+    q = pick(rng, [f"What is {A} divided by {B}?", f"Divide {A} by {B}.", f"Compute {A} / {B}.",
                     f"How many times does {B} go into {A}?", f"{A} / {B} = ?", f"{A}/{B}",
                     f"What's {A} divided by {B}?", f"How much is {A} split {B} ways?",
                     f"Could you divide {A} by {B}?", f"{A} divided by {B}", f"I need {A} divided by {B}.",
@@ -248,11 +111,11 @@ def division(rng: random.Random) -> tuple[str, str]:
 
 
 def word_buy(rng: random.Random) -> tuple[str, str]:
-    name, item = _pick(rng, NAMES), _pick(rng, ITEMS)
+    name, item = pick(rng, NAMES), pick(rng, ITEMS)
     a, b, c = rng.randint(3, 40), rng.randint(2, 30), rng.randint(1, 20)
     c = min(c, a + b)
     A, B, C = num(rng, a), num(rng, b), num(rng, c)
-    q = _pick(rng, [
+    q = pick(rng, [
         f"{name} has {A} {item}. {name} gets {B} more and then gives away {C}. How many {item} does {name} have now?",
         f"{name} had {A} {item}, got {B} more, then gave {C} away. How many {item} are left?",
         f"Start with {A} {item}. Add {B}, then remove {C}. How many {item} are there?",
@@ -270,10 +133,10 @@ def word_buy(rng: random.Random) -> tuple[str, str]:
 
 
 def word_groups(rng: random.Random) -> tuple[str, str]:
-    name, item, box = _pick(rng, NAMES), _pick(rng, ITEMS), _pick(rng, CONTAINERS)
+    name, item, box = pick(rng, NAMES), pick(rng, ITEMS), pick(rng, CONTAINERS)
     n, k = rng.randint(2, 12), rng.randint(3, 25)
     N, K = num(rng, n), num(rng, k)
-    q = _pick(rng, [f"There are {N} {box} with {K} {item} in each. How many {item} are there in total?",
+    q = pick(rng, [f"There are {N} {box} with {K} {item} in each. How many {item} are there in total?",
                     f"{name} fills {N} {box} with {K} {item} each. How many {item} did {name} use?",
                     f"{N} {box}, {K} {item} per box. Total?",
                     f"Each of {N} {box} holds {K} {item}. How many {item} altogether?",
@@ -287,11 +150,11 @@ def word_groups(rng: random.Random) -> tuple[str, str]:
 
 
 def word_money(rng: random.Random) -> tuple[str, str]:
-    name, item = _pick(rng, NAMES), _pick(rng, ITEMS)
+    name, item = pick(rng, NAMES), pick(rng, ITEMS)
     price, n = rng.randint(2, 15), rng.randint(2, 9)
     paid = price * n + rng.randint(0, 20)
     P, N, M = num(rng, price, 0.0), num(rng, n), num(rng, paid, 0.0)
-    q = _pick(rng, [
+    q = pick(rng, [
         f"{name} buys {N} {item} for ${P} each and pays with ${M}. How much change does {name} get?",
         f"{item.capitalize()} cost ${P} each. {name} buys {N} and hands over ${M}. What is the change?",
         f"If {N} {item} cost ${P} apiece and {name} pays ${M}, how much money comes back?",
@@ -307,12 +170,12 @@ def word_money(rng: random.Random) -> tuple[str, str]:
 
 
 def word_speed(rng: random.Random) -> tuple[str, str]:
-    name = _pick(rng, NAMES)
+    name = pick(rng, NAMES)
     speed, hours = rng.randint(3, 90), rng.randint(2, 9)
-    vehicle = _pick(rng, ["bike", "car", "train", "boat", "bus"])
+    vehicle = pick(rng, ["bike", "car", "train", "boat", "bus"])
     S, H = num(rng, speed), num(rng, hours)
-    unit = _pick(rng, ["km per hour", "km/h", "kilometers per hour", "km an hour"])
-    q = _pick(rng, [
+    unit = pick(rng, ["km per hour", "km/h", "kilometers per hour", "km an hour"])
+    q = pick(rng, [
         f"{name} travels by {vehicle} at {S} {unit} for {H} hours. How far does {name} go?",
         f"A {vehicle} moves at {S} {unit}. How far does it get in {H} hours?",
         f"How many km does {name} cover riding a {vehicle} for {H} hours at {S} {unit}?",
@@ -327,12 +190,12 @@ def word_speed(rng: random.Random) -> tuple[str, str]:
 
 
 def word_share(rng: random.Random) -> tuple[str, str]:
-    item = _pick(rng, ITEMS)
+    item = pick(rng, ITEMS)
     people, each = rng.randint(2, 9), rng.randint(2, 15)
     total = people * each
     names = rng.sample(NAMES, 2)
     T, P = num(rng, total), num(rng, people)
-    q = _pick(rng, [
+    q = pick(rng, [
         f"{names[0]} and {names[1]} want to share {T} {item} equally among {P} friends. "
         f"How many {item} does each friend get?",
         f"{T} {item} are split evenly between {P} friends. How many does each friend get?",
@@ -349,7 +212,7 @@ def word_share(rng: random.Random) -> tuple[str, str]:
 
 def _conversion_question(rng: random.Random, v: str, src: str, dst: str) -> str:
     # Never the bare "Convert {v} {src} to {dst}." (a hand-written held-out wording).
-    return _pick(rng, [f"Convert {v} {src} into {dst}.", f"How many {dst} are in {v} {src}?",
+    return pick(rng, [f"Convert {v} {src} into {dst}.", f"How many {dst} are in {v} {src}?",
                        f"What is {v} {src} in {dst}?", f"Can you convert {v} {src} to {dst}?",
                        f"{v} {src} to {dst}", f"{v} {src} in {dst}?", f"How many {dst} is {v} {src}?",
                        f"Express {v} {src} in {dst}.", f"I have {v} {src}. How many {dst} is that?",
@@ -362,7 +225,7 @@ def conversion(rng: random.Random) -> tuple[str, str]:
     if rng.random() < 0.6:
         v = rng.randint(2, 60)
         q = _conversion_question(rng, num(rng, v), units, others)
-        ans = _pick(rng, [
+        ans = pick(rng, [
             f"There are {f} {others} in one {unit}.\nSo {v} {units} = {v} x {f} = {v * f} {others}.",
             f"One {unit} equals {f} {others}.\nMultiply: {v} x {f} = {v * f}.\nThe answer is {v * f} {others}.",
         ])
@@ -379,7 +242,7 @@ def temperature(rng: random.Random) -> tuple[str, str]:
     c = rng.choice(range(-20, 105, 5))
     fah = c * 9 // 5 + 32
     if rng.random() < 0.5:
-        q = _pick(rng, [f"Convert {c} degrees Celsius to Fahrenheit.", f"What is {c} C in F?",
+        q = pick(rng, [f"Convert {c} degrees Celsius to Fahrenheit.", f"What is {c} C in F?",
                         f"{c} degrees C to F", f"How much is {c} Celsius in Fahrenheit?", f"{c}°C in Fahrenheit?",
                         f"Change {c} degrees Celsius into Fahrenheit.",
                         f"What temperature in Fahrenheit is {c} degrees Celsius?",
@@ -388,7 +251,7 @@ def temperature(rng: random.Random) -> tuple[str, str]:
         ans = (f"The formula is F = C x 9 / 5 + 32.\n{c} x 9 / 5 = {c * 9 // 5}.\n{c * 9 // 5} + 32 = {fah}.\n"
                f"So {c} degrees Celsius is {fah} degrees Fahrenheit.")
     else:
-        q = _pick(rng, [f"Convert {fah} degrees Fahrenheit to Celsius.", f"What is {fah} F in C?",
+        q = pick(rng, [f"Convert {fah} degrees Fahrenheit to Celsius.", f"What is {fah} F in C?",
                         f"{fah} degrees F to C", f"How much is {fah} Fahrenheit in Celsius?",
                         f"{fah}°F in Celsius?", f"Change {fah} degrees Fahrenheit into Celsius.",
                         f"What temperature in Celsius is {fah} degrees Fahrenheit?",
@@ -400,7 +263,7 @@ def temperature(rng: random.Random) -> tuple[str, str]:
 
 
 def _fn_name(rng: random.Random, base: str) -> str:
-    return _pick(rng, [base, f"get_{base}", f"compute_{base}", f"{base}_of"])
+    return pick(rng, [base, f"get_{base}", f"compute_{base}", f"{base}_of"])
 
 
 # Per code task: (third-person description, base form) pairs; the first pair is the original wording.
@@ -429,7 +292,7 @@ CODE_DESCS: list[list[tuple[str, str]]] = [
 
 
 def code_task(rng: random.Random) -> tuple[str, str]:
-    var = _pick(rng, ["numbers", "values", "items", "data", "nums", "xs"])
+    var = pick(rng, ["numbers", "values", "items", "data", "nums", "xs"])
     kind = rng.randrange(10)
     k = rng.randint(2, 10)
     if kind == 0:
@@ -480,14 +343,14 @@ def code_task(rng: random.Random) -> tuple[str, str]:
     descs = CODE_DESCS[kind]
     desc, base = (s.format(k=k) for s in descs[0 if rng.random() < 0.4 else rng.randrange(len(descs))])
     # Never "Write a Python function that {desc}." without a name (a hand-written held-out wording).
-    q = _pick(rng, [f"Write a Python function {name} that {desc}.", f"Implement {name} in Python: it {desc}.",
+    q = pick(rng, [f"Write a Python function {name} that {desc}.", f"Implement {name} in Python: it {desc}.",
                     f"Can you write a Python function called {name} that {desc}?",
                     f"I need Python code to {base}.", f"python: {base}", f"How do I {base} in Python?",
                     f"Write a function in Python that {desc}.", f"Show me a Python function to {base}.",
                     f"Create a function named {name} which {desc}.", f"Give me Python code that {desc}.",
                     f"Please write {name}(), a function that {desc}.", f"def {name}: {base}",
                     f"Could you code a Python function to {base}?", f"Python function to {base}?"])
-    intro = _pick(rng, ["Here is a simple solution:", "Here is one way to do it:", "Sure. Here is the function:"])
+    intro = pick(rng, ["Here is a simple solution:", "Here is one way to do it:", "Sure. Here is the function:"])
     return q, f"{intro}\n```python\n{code}\n```\n{note}"
 
 
@@ -496,7 +359,7 @@ FACT_VARIANTS = ["{q}", "{q}", "{lq}", "Tell me: {lq}", "Quick question: {lq}", 
 
 def fact(rng: random.Random) -> tuple[str, str]:
     q, a = FACTS[rng.randrange(len(FACTS))]
-    return _pick(rng, FACT_VARIANTS).format(q=q, lq=q[0].lower() + q[1:]), a
+    return pick(rng, FACT_VARIANTS).format(q=q, lq=q[0].lower() + q[1:]), a
 
 
 def greeting(rng: random.Random) -> tuple[str, str]:
@@ -545,13 +408,6 @@ def heldout_prompts(n: int = 32, seed: int = 424242, exclude_fixed: bool = True)
         seen.add(q)
         out.append([{"role": "user", "content": q}, {"role": "assistant", "content": a}])
     return out
-
-
-def write_jsonl(path: str | Path, rows: list[dict]) -> None:
-    """Write rows as JSON lines."""
-    with open(path, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
 
 
 _NUMBER_RE = None

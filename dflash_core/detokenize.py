@@ -9,14 +9,18 @@ is held until the character is complete.
 still become one.
 
 ``RequestDecoder`` combines both for one request and says how many tokens were used when a stop
-string ended the text.
+string ended the text; ``OutputText`` applies it to the engine's step outputs (the stop token's text is not
+output; a stop string ends the request), for the server's worker and for ``LLM``.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dflash_core.engine import StepOutput
 
 REPLACEMENT_CHAR = "\ufffd"
 PROMPT_CONTEXT_TOKENS = 5
@@ -145,6 +149,45 @@ class RequestDecoder:
             return res
         res.text = out + self._stop.flush()
         return res
+
+
+@dataclass
+class TextStep:
+    """What one engine step adds to a request's visible output."""
+
+    text: str
+    token_ids: list[int]  # the step's tokens up to a stop string's end (all when none)
+    num_text_tokens: int  # of those, the ones that are text (a stop token is not): they carry logprobs
+    finish_reason: str | None  # the engine's, or "stop" when a stop string ended the text
+    stopped_early: bool = False  # a stop string ended it while the engine is still generating: abort it
+
+
+@dataclass
+class OutputText:
+    """One request's text as the engine's steps arrive: detokenized, stop strings applied, stop token hidden."""
+
+    tokenizer: Any
+    prompt_token_ids: list[int] | None = None
+    stop: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._decoder = RequestDecoder(self.tokenizer, self.prompt_token_ids, list(self.stop))
+
+    def step(self, out: StepOutput) -> TextStep:
+        """The text and tokens of one step output (not an error or abort output)."""
+        tokens = list(out.new_token_ids)
+        text_tokens = tokens[:-1] if out.stop_token_id is not None and tokens else tokens
+        res = self._decoder.feed(text_tokens)
+        if res.stop_string is not None:
+            return TextStep(res.text, tokens[: res.tokens_used], res.tokens_used, "stop",
+                            stopped_early=out.finish_reason is None)
+        text, finish = res.text, out.finish_reason
+        if finish is not None:
+            tail = self._decoder.finish()
+            text += tail.text
+            if tail.stop_string is not None:
+                finish = "stop"
+        return TextStep(text, tokens, len(text_tokens), finish)
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -1,22 +1,19 @@
-"""Target adapter over any transformers causal LM: logits plus the context features the draft reads."""
+"""The `hf` target runner: any transformers causal LM, one request per forward, a `DynamicCache` per request."""
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import DynamicCache
 
-
-@dataclass
-class TargetOutput:
-    logits: torch.Tensor  # [n, V] float32
-    features: torch.Tensor | None  # [n, len(layer_ids) * H], or None when not asked for
+from dflash_core.runners.base import TargetOutput, TargetRow, TargetRunner
 
 
-class HFTarget:
+class HFTarget(TargetRunner):
     """Batch-1 forward of a transformers `AutoModelForCausalLM` with a per-request `DynamicCache`.
 
     The feature of target layer i is `output_hidden_states[i + 1]` (for the last layer transformers returns it
@@ -24,6 +21,8 @@ class HFTarget:
     """
 
     backend = "hf"
+    max_slots = None  # a DynamicCache per request: no fixed rows
+    max_len = None
 
     def __init__(self, model: nn.Module, layer_ids: list[int] | None = None) -> None:
         self.model = model.eval()
@@ -47,17 +46,11 @@ class HFTarget:
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.get_output_embeddings().weight
 
-    def new_cache(self) -> DynamicCache:
+    def new_cache(self, slot: int = 0) -> DynamicCache:
+        """A fresh cache (the slot does not matter: each request has its own)."""
         return DynamicCache()
 
-    def has_free_cache(self) -> bool:
-        return True
-
-    def release(self, cache: DynamicCache | None) -> None:
-        """Nothing to do: a DynamicCache is freed with its request."""
-
-    @staticmethod
-    def crop(cache: DynamicCache, length: int) -> None:
+    def crop(self, cache: DynamicCache, length: int) -> None:
         """Roll the cache back to `length` positions (negative crop works on transformers 4.57 and 5.x).
 
         Layer by layer: a forward that failed halfway appended to the first layers only.
@@ -95,7 +88,7 @@ class HFTarget:
         return TargetOutput(logits=out.logits[0].float(), features=feats)
 
     def forward_batch(
-        self, rows: list[tuple[list[int], int, DynamicCache]], features: bool, last_only: bool = False
+        self, rows: Sequence[TargetRow | tuple[list[int], int, Any]], features: bool, last_only: bool = False
     ) -> list[TargetOutput]:
         """One forward per row (transformers caches are per request)."""
         return [self.forward(tokens, start, cache, features, last_only) for tokens, start, cache in rows]

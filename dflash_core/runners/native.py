@@ -9,21 +9,23 @@ overwritten. Several requests' verify blocks run as ONE forward.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_core.draft import apply_rope
-from dflash_core.target import TargetOutput
+from dflash_core.layers import apply_rope
+from dflash_core.runners.base import TargetOutput, TargetRow, TargetRunner
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2")
 
 
 @dataclass
 class Slot:
-    """One request's rows of the slot cache."""
+    """One request's rows of the slot cache: its slot index (from the engine's SlotPool) and filled length."""
 
     index: int
     length: int = 0
@@ -42,7 +44,7 @@ def supports(model: nn.Module) -> str | None:
     return None
 
 
-class NativeTarget:
+class NativeTarget(TargetRunner):
     """Batched target forward with a slot KV cache; same outputs as `HFTarget`, tested logit for logit."""
 
     backend = "native"
@@ -74,7 +76,7 @@ class NativeTarget:
         shape = (self.num_layers, max_slots, self.num_kv_heads, self.max_len, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self._free = list(range(max_slots - 1, -1, -1))
+        self.max_slots = int(max_slots)
 
     @property
     def embed_weight(self) -> torch.Tensor:
@@ -85,32 +87,19 @@ class NativeTarget:
         return self.lm_head.weight
 
     # ---- slots ----
-    def has_free_cache(self) -> bool:
-        return bool(self._free)
+    def new_cache(self, slot: int) -> Slot:
+        """The request's rows of the KV cache: slot `slot`, empty."""
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot {slot} outside the KV cache's {self.max_slots} slots")
+        return Slot(slot)
 
-    def new_cache(self) -> Slot:
-        if not self._free:
-            raise RuntimeError("no free KV-cache slot (raise max_running_requests / max slots)")
-        return Slot(self._free.pop())
-
-    def release(self, cache: Slot | None) -> None:
-        if cache is not None and cache.index not in self._free:
-            self._free.append(cache.index)
-
-    @staticmethod
-    def crop(cache: Slot, length: int) -> None:
+    def crop(self, cache: Slot, length: int) -> None:
         cache.length = min(cache.length, length)
 
     # ---- forward ----
-    def forward(
-        self, token_ids: list[int], start: int, cache: Slot, features: bool, last_only: bool = False
-    ) -> TargetOutput:
-        """One request's tokens at positions start.. (prefill or verify)."""
-        return self.forward_batch([(token_ids, start, cache)], features, last_only)[0]
-
     @torch.inference_mode()
     def forward_batch(
-        self, rows: list[tuple[list[int], int, Slot]], features: bool, last_only: bool = False
+        self, rows: Sequence[TargetRow | tuple[list[int], int, Any]], features: bool, last_only: bool = False
     ) -> list[TargetOutput]:
         """Several requests in ONE forward; rows shorter than the longest are padded (padding is never visible)."""
         b = len(rows)

@@ -1,0 +1,136 @@
+"""The two interfaces the engine drives: a target runner (verifies) and a drafter (proposes).
+
+Invariants every implementation keeps (docs/architecture.md explains them):
+- Caches are keyed by position: row j of a request's cache holds position j. Rolling back is cropping to a length;
+  rows past it are never visible and are overwritten by the next forward.
+- A target forward at positions `start ..` may be given only `start <= cache length`.
+- The feature of target layer i is transformers' hidden state i + 1 (the last layer's comes after the final
+  norm), concatenated over the draft's `layer_ids`.
+- Slot-indexed caches are indexed by the request's slot from the engine's `SlotPool`; a runner never allocates
+  slots itself.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+
+
+@dataclass
+class TargetOutput:
+    """What a target forward returns for one request's rows."""
+
+    logits: torch.Tensor  # [n, V] float32
+    features: torch.Tensor | None  # [n, len(layer_ids) * H], or None when not asked for
+
+
+class TargetRow(NamedTuple):
+    """One request's part of a batched target forward: tokens at positions start.., and its cache."""
+
+    token_ids: list[int]
+    start: int
+    cache: Any
+
+
+class TargetRunner(ABC):
+    """Runs the target model for the engine: prefill and verify forwards over per-request caches.
+
+    Attributes every runner sets: `backend` (its name), `config` (the model's text config), `device`, `dtype`,
+    `vocab_size`, `num_layers`, `hidden_size`, `max_position_embeddings`, `layer_ids` (target layers whose
+    hidden states are the draft's features), `max_slots` (slot-indexed cache rows, None when caches are
+    per-request and unbounded) and `max_len` (positions a slot holds, None when unbounded).
+    """
+
+    backend: ClassVar[str]
+    config: Any
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int
+    num_layers: int
+    hidden_size: int
+    max_position_embeddings: int
+    layer_ids: list[int]
+    max_slots: int | None
+    max_len: int | None
+
+    @property
+    @abstractmethod
+    def embed_weight(self) -> torch.Tensor:
+        """The input embedding table [V, H] (the draft shares it)."""
+
+    @property
+    @abstractmethod
+    def lm_head_weight(self) -> torch.Tensor:
+        """The output head [V, H] (the draft shares it)."""
+
+    @abstractmethod
+    def new_cache(self, slot: int) -> Any:
+        """An empty cache for the request holding `slot`."""
+
+    @abstractmethod
+    def crop(self, cache: Any, length: int) -> None:
+        """Roll the cache back to its first `length` positions (no-op when it is shorter)."""
+
+    @abstractmethod
+    def forward_batch(
+        self, rows: Sequence[TargetRow | tuple[list[int], int, Any]], features: bool, last_only: bool = False
+    ) -> list[TargetOutput]:
+        """Every row's logits (all rows, or the last only) and, with `features`, its draft features; each row's
+        cache then holds its tokens."""
+
+    def forward(
+        self, token_ids: list[int], start: int, cache: Any, features: bool, last_only: bool = False
+    ) -> TargetOutput:
+        """One request's tokens at positions start.. (prefill or verify)."""
+        return self.forward_batch([TargetRow(token_ids, start, cache)], features, last_only)[0]
+
+
+class DraftRequest(NamedTuple):
+    """What the engine asks a drafter for one request: `n` tokens after `last_token` at `position`."""
+
+    state: Any
+    last_token: int
+    position: int
+    n: int
+
+
+class Drafter(ABC):
+    """Proposes draft tokens; the engine verifies them with the target, so a drafter affects speed, never output.
+
+    Context arrives through `extend_context` (the target features of committed positions, in order) and is
+    consumed by the next proposal; a proposal that raises must consume nothing, so the engine can retry it.
+    """
+
+    block_size: int
+    max_slots: int | None = None  # rows of a slot-indexed cache (None: per-request state, no limit)
+
+    @abstractmethod
+    def new_state(self, slot: int, prompt_token_ids: list[int]) -> Any:
+        """Per-request state for the request holding `slot` (slot-indexed caches use that row)."""
+
+    @abstractmethod
+    def extend_context(self, state: Any, features: torch.Tensor) -> None:
+        """Target features [n, F] of the next committed positions."""
+
+    @abstractmethod
+    def propose_batch(self, items: Sequence[DraftRequest]) -> list[list[int]]:
+        """Each item's `n` proposed tokens, in item order."""
+
+    def propose(self, state: Any, last_token: int, position: int, n: int) -> list[int]:
+        """One request's proposal: `n` tokens after `last_token` at `position`."""
+        return self.propose_batch([DraftRequest(state, last_token, position, n)])[0]
+
+
+class PerRequestDrafter(Drafter):
+    """A drafter that proposes for one request at a time; `propose_batch` loops over `propose`."""
+
+    @abstractmethod
+    def propose(self, state: Any, last_token: int, position: int, n: int) -> list[int]:
+        """`n` tokens proposed after `last_token` at `position`."""
+
+    def propose_batch(self, items: Sequence[DraftRequest]) -> list[list[int]]:
+        return [self.propose(*item) for item in items]

@@ -1,0 +1,55 @@
+"""The slot pool: the one free-list of KV-cache slots.
+
+A running request holds ONE slot index from admission (its prefill) to its end. The index names its rows in
+every slot-indexed cache at once: the native target's KV cache and the batched drafter's context cache are both
+`[..., slots, ...]` and a request owns the same row in each. The engine takes the slot before it creates either
+cache and gives it back only after both are dropped, so the two can never be handed to different requests, and a
+request waits (not fails) while no slot is free.
+"""
+
+from __future__ import annotations
+
+
+class NoFreeSlotError(RuntimeError):
+    """Every slot is held by a running request."""
+
+
+class SlotPool:
+    """Slots `0 .. capacity-1`, lowest free first; `capacity` None means unbounded (per-request caches)."""
+
+    def __init__(self, capacity: int | None) -> None:
+        if capacity is not None and capacity < 1:
+            raise ValueError("a slot pool needs at least one slot")
+        self.capacity = capacity
+        self._free: list[int] = list(range(capacity - 1, -1, -1)) if capacity is not None else []
+        self._held: set[int] = set()
+        self._next = 0  # unbounded pools: the next never-used index
+
+    def has_free(self) -> bool:
+        return self.capacity is None or bool(self._free)
+
+    def num_free(self) -> int | None:
+        """Free slots (None when unbounded)."""
+        return None if self.capacity is None else len(self._free)
+
+    def num_held(self) -> int:
+        return len(self._held)
+
+    def allocate(self) -> int:
+        """A free slot index; NoFreeSlotError when all are held."""
+        if self._free:
+            slot = self._free.pop()
+        elif self.capacity is None:
+            slot, self._next = self._next, self._next + 1
+        else:
+            raise NoFreeSlotError(f"all {self.capacity} KV-cache slots are in use")
+        self._held.add(slot)
+        return slot
+
+    def release(self, slot: int) -> None:
+        """Give a slot back (releasing a free slot is a bug and raises)."""
+        if slot not in self._held:
+            raise ValueError(f"slot {slot} is not held")
+        self._held.remove(slot)
+        self._free.append(slot)
+        self._free.sort(reverse=True)  # lowest index first: deterministic reuse

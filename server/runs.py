@@ -1,0 +1,150 @@
+"""One HTTP request's way to the worker: tokenization off the event loop, sampling parameters, and the ``Run``
+that submits its engine requests (one per choice and prompt), gathers their events and aborts them when the
+client goes away.
+
+Tokenization runs in a thread pool; prompts longer than ``TOKENIZE_LIMIT_CHARS``, or from a body that needed a
+parse helper, take one of ``TOKENIZE_CONCURRENCY`` slots (``TOKENIZE_MAX_WAITING`` wait, then 429).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
+from dflash_core.sampling import SamplingParams
+from server.parsing import Limiter
+from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, retry_later
+from server.worker import QueueFullError, RequestHandle, Worker, WorkerEvent
+
+log = logging.getLogger("dflash.server")
+
+TOKENIZE_LIMIT_CHARS = 32 * 1024  # prompts longer than this take one of TOKENIZE_CONCURRENCY slots
+TOKENIZE_CONCURRENCY = max(2, min(8, (os.cpu_count() or 2) // 2))
+TOKENIZE_MAX_WAITING = 256  # long prompts waiting for a slot beyond which a 429 answers
+
+
+def tokenize_limiter() -> Limiter:
+    """The limiter of long tokenizations (one per app)."""
+    return Limiter(TOKENIZE_CONCURRENCY, TOKENIZE_MAX_WAITING, "long prompts")
+
+
+async def prepare(limiter: Limiter, size: int, big: bool, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run tokenization ``fn(*args)`` in the thread pool; a prompt over TOKENIZE_LIMIT_CHARS, or from a ``big``
+    body (one that went to a parse helper), takes a slot of ``limiter``."""
+    if size <= TOKENIZE_LIMIT_CHARS and not big:
+        return await run_in_threadpool(fn, *args)
+    async with limiter:
+        return await run_in_threadpool(fn, *args)
+
+
+def sampling_params(
+    req: ChatCompletionRequest | CompletionRequest, max_tokens: int, logprobs: int | None, i: int
+) -> SamplingParams:
+    """The engine's parameters for choice ``i`` of ``req`` (400 when impossible); seeds differ per choice."""
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else float(req.temperature),
+        top_p=1.0 if req.top_p is None else float(req.top_p),
+        top_k=0 if req.top_k is None else req.top_k,
+        seed=None if req.seed is None else req.seed + i,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        stop=req.stop_list(),
+    )
+    try:
+        params.validate()
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    return params
+
+
+class Run:
+    """The engine requests of one HTTP request: submit, receive events, abort on disconnect."""
+
+    def __init__(
+        self,
+        worker: Worker,
+        request: Request,
+        handles: list[RequestHandle],
+        queue: asyncio.Queue[WorkerEvent],
+    ) -> None:
+        self.worker = worker
+        self.handles = handles
+        self.queue = queue
+        self.open = {h.index for h in handles}
+        self.pending: list[WorkerEvent] = []
+        worker.submit(handles)  # QueueFullError before anything else starts
+        self._watch = asyncio.create_task(self._watch_disconnect(request))
+
+    async def _watch_disconnect(self, request: Request) -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                log.info("client disconnected: aborting %d request(s)", len(self.open))
+                self.close()
+                return
+
+    async def next(self) -> WorkerEvent:
+        """The next event of any of the requests."""
+        ev = self.pending.pop(0) if self.pending else await self.queue.get()
+        if ev.finish_reason is not None:
+            self.open.discard(ev.index)
+        return ev
+
+    async def peek(self) -> WorkerEvent:
+        """The next event, left in place for ``next``."""
+        if not self.pending:
+            self.pending.append(await self.queue.get())
+        return self.pending[0]
+
+    def close(self) -> None:
+        """Abort whatever is unfinished (idempotent)."""
+        for h in self.handles:
+            if h.index in self.open:
+                self.worker.abort(h)
+        self.open.clear()
+        if self._watch is not asyncio.current_task():
+            self._watch.cancel()
+
+
+def start_run(
+    worker: Worker,
+    request: Request,
+    rid: str,
+    prompts: list[list[int]],
+    params: list[list[SamplingParams]],
+) -> Run:
+    """Submit one engine request per (prompt, choice): 400 beyond the server's capacity, 429 when it is full."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[WorkerEvent] = asyncio.Queue()
+    handles = []
+    for pi, (prompt, plist) in enumerate(zip(prompts, params, strict=True)):
+        for j, p in enumerate(plist):
+            index = pi * len(plist) + j
+            handles.append(
+                RequestHandle(
+                    index=index,
+                    prompt_token_ids=prompt,
+                    params=p,
+                    loop=loop,
+                    queue=queue,
+                    request_id=f"{rid}-{index}",
+                )
+            )
+    if len(handles) > worker.capacity:
+        raise APIError(
+            400,
+            f"{len(handles)} choices exceed what this server holds at once ({worker.capacity})",
+            param="n",
+        )
+    try:
+        return Run(worker, request, handles, queue)
+    except QueueFullError as e:
+        raise retry_later(429, f"{e}; retry later", "queue_full") from None

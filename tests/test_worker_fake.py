@@ -1,0 +1,286 @@
+"""The worker thread against a scripted engine: admission, queueing, abort, stop strings split across steps,
+per-request and whole-step engine failures, fail_all / stop, and the speculative summary."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import pytest
+
+from dflash_core.sampling import SamplingParams
+from server.metrics import ServerMetrics
+from server.worker import QueueFullError, RequestHandle, Worker, WorkerEvent
+from tests.fake_engine import Fail, FakeEngine, Script, demo_tokenizer, wait_until
+
+T = TypeVar("T")
+TEST_TIMEOUT_S = 10.0
+
+
+def run(test: Callable[[], Awaitable[T]]) -> T:
+    return asyncio.run(asyncio.wait_for(test(), TEST_TIMEOUT_S))
+
+
+@asynccontextmanager
+async def serving(engine: FakeEngine, max_running: int = 2, max_waiting: int = 4) -> AsyncIterator[Worker]:
+    metrics = ServerMetrics(block_size=engine.block_size, target="fake", draft="fake", device="cpu", backend="fake")
+    worker = Worker(engine, demo_tokenizer(), metrics, max_running=max_running, max_waiting=max_waiting)
+    worker.start()
+    try:
+        yield worker
+    finally:
+        await asyncio.to_thread(worker.stop)
+
+
+def handle(prompt: str, stop: list[str] | None = None, max_tokens: int = 64, index: int = 0) -> RequestHandle:
+    """One engine request whose prompt is ``prompt`` (the fake engine picks its script by that text)."""
+    ids = demo_tokenizer()(prompt, add_special_tokens=False)["input_ids"]
+    return RequestHandle(
+        index=index,
+        prompt_token_ids=ids,
+        params=SamplingParams(max_tokens=max_tokens, stop=stop or []),
+        loop=asyncio.get_running_loop(),
+        queue=asyncio.Queue(),
+        request_id=f"test-{prompt}",
+    )
+
+
+async def events(h: RequestHandle) -> list[WorkerEvent]:
+    """Every event of ``h`` up to its last one."""
+    out: list[WorkerEvent] = []
+    while not out or out[-1].finish_reason is None:
+        out.append(await h.queue.get())
+    return out
+
+
+def text(evs: list[WorkerEvent]) -> str:
+    return "".join(ev.text for ev in evs)
+
+
+async def until(predicate: Callable[[], bool], what: str) -> None:
+    await asyncio.to_thread(wait_until, predicate, what=what)
+
+
+def new_engine(**kwargs: Any) -> FakeEngine:
+    return FakeEngine(tokenizer=demo_tokenizer(), **kwargs)
+
+
+def test_admits_up_to_max_running_queues_the_rest_and_refuses_beyond() -> None:
+    engine, gate = new_engine(), threading.Event()
+    for key in ("one", "two", "three"):
+        engine.script(key, Script([gate, f"{key} done"]))
+
+    async def test() -> None:
+        async with serving(engine, max_running=2, max_waiting=1) as worker:
+            hs = [handle(k) for k in ("one", "two", "three")]
+            for h in hs:
+                worker.submit([h])
+            await until(lambda: engine.num_running() == 2 and worker.num_waiting == 1, "2 running, 1 waiting")
+            assert worker.in_flight == 3
+            with pytest.raises(QueueFullError):
+                worker.submit([handle("four")])
+            gate.set()
+            results = [await events(h) for h in hs]
+            assert [text(r) for r in results] == ["one done", "two done", "three done"]
+            assert [r[-1].finish_reason for r in results] == ["length"] * 3
+            assert worker.in_flight == 0 and len(engine.added) == 3
+            worker.submit([handle("four")])  # room again
+
+    run(test)
+
+
+def test_all_or_none_submission() -> None:
+    async def test() -> None:
+        async with serving(new_engine(), max_running=1, max_waiting=1) as worker:
+            with pytest.raises(QueueFullError):
+                worker.submit([handle("a", index=i) for i in range(3)])
+            assert worker.in_flight == 0
+
+    run(test)
+
+
+def test_abort_frees_the_slot_for_the_next_request_at_once() -> None:
+    engine = new_engine()
+    engine.script("held", Script(["first", threading.Event(), "never"]))
+    engine.script("queued", Script(["next"]))
+
+    async def test() -> None:
+        async with serving(engine, max_running=1, max_waiting=2) as worker:
+            held, queued, gone = handle("held"), handle("queued"), handle("gone")
+            worker.submit([held])
+            assert (await held.queue.get()).text == "first"
+            worker.submit([queued])
+            worker.submit([gone])
+            await until(lambda: worker.num_waiting == 2, "two waiting")
+            worker.abort(gone)  # waiting: never reaches the engine
+            assert (await events(gone))[-1].finish_reason == "abort"
+            worker.abort(held)
+            assert (await events(held))[-1].finish_reason == "abort"
+            assert text(await events(queued)) == "next"
+            rid = engine.request_id("held")
+            assert rid in engine.aborted and rid in engine.released
+            assert len(engine.added) == 2 and worker.in_flight == 0
+
+    run(test)
+
+
+@pytest.mark.parametrize(
+    ("steps", "expected"),
+    [
+        (["Hello E", "ND tail", "never"], "Hello "),  # "E" then "ND"
+        (["Hello EN", "D", "never"], "Hello "),
+        (["Hello E", "Nope END"], "Hello ENope "),  # a partial match that fails, then a real one
+    ],
+)
+def test_stop_string_split_across_steps_is_cut(steps: list[str], expected: str) -> None:
+    engine = new_engine()
+    engine.script("stopper", Script(list(steps)))
+
+    async def test() -> None:
+        async with serving(engine) as worker:
+            h = handle("stopper", stop=["END"])
+            worker.submit([h])
+            evs = await events(h)
+            assert text(evs) == expected
+            assert evs[-1].finish_reason == "stop" and evs[-1].error is None
+            assert "never" not in text(evs)
+            rid = engine.request_id("stopper")
+            await until(lambda: rid in engine.released, "the stopped request released")
+
+    run(test)
+
+
+def test_eos_token_ends_with_stop_and_is_not_text() -> None:
+    tok = demo_tokenizer()
+    engine = new_engine()
+    engine.script("eos", Script(["bye"], stop_token_id=tok.eos_token_id))
+
+    async def test() -> None:
+        async with serving(engine) as worker:
+            h = handle("eos")
+            worker.submit([h])
+            evs = await events(h)
+            assert text(evs) == "bye" and evs[-1].finish_reason == "stop"
+            assert evs[-1].completion_tokens == len(tok("bye", add_special_tokens=False)["input_ids"]) + 1
+
+    run(test)
+
+
+def test_an_engine_error_fails_its_request_and_no_other() -> None:
+    engine, gate = new_engine(), threading.Event()
+    engine.script("bad", Script(["partial", gate, Fail("kaput")]))
+    engine.script("good", Script(["all", gate, " fine"]))
+
+    async def test() -> None:
+        async with serving(engine) as worker:
+            bad, good = handle("bad"), handle("good")
+            worker.submit([bad])
+            worker.submit([good])
+            await until(lambda: engine.num_running() == 2, "both running")
+            gate.set()
+            bad_evs, good_evs = await events(bad), await events(good)
+            error = bad_evs[-1].error
+            assert error is not None and (error.status, error.type) == (500, "server_error")
+            assert "kaput" in error.message and text(bad_evs) == "partial"
+            assert text(good_evs) == "all fine" and good_evs[-1].finish_reason == "length"
+
+    run(test)
+
+
+def test_a_failed_step_fails_the_running_requests_and_the_worker_goes_on() -> None:
+    engine, gate = new_engine(), threading.Event()
+    engine.script("victim", Script([gate, "never"]))
+
+    async def test() -> None:
+        async with serving(engine) as worker:
+            victim = handle("victim")
+            worker.submit([victim])
+            await until(lambda: engine.num_running() == 1, "running")
+            engine.fail_next_step(RuntimeError("the GPU caught fire"))
+            error = (await events(victim))[-1].error
+            assert error is not None and error.status == 500 and "GPU caught fire" in error.message
+            after = handle("after")
+            worker.submit([after])
+            assert text(await events(after)) == "ok"
+
+    run(test)
+
+
+def test_a_refused_request_is_a_400() -> None:
+    engine = new_engine()
+    engine.refuse("nope", "too silly")
+
+    async def test() -> None:
+        async with serving(engine) as worker:
+            h = handle("nope")
+            worker.submit([h])
+            (ev,) = await events(h)
+            assert ev.error is not None and (ev.error.status, ev.error.type) == (400, "invalid_request_error")
+            assert ev.error.message == "too silly" and worker.in_flight == 0
+
+    run(test)
+
+
+def test_fail_all_answers_running_and_waiting_requests_with_503() -> None:
+    engine = new_engine()
+    engine.script("running", Script(["some", threading.Event()]))
+
+    async def test() -> None:
+        async with serving(engine, max_running=1, max_waiting=2) as worker:
+            running, waiting = handle("running"), handle("waiting")
+            worker.submit([running])
+            assert (await running.queue.get()).text == "some"
+            worker.submit([waiting])
+            await until(lambda: worker.num_waiting == 1, "one waiting")
+            worker.fail_all()
+            for h in (running, waiting):
+                (ev,) = await events(h)  # the running one's tokens came before; the waiting one gets only this
+                assert ev.error is not None and (ev.error.status, ev.error.type) == (503, "service_unavailable")
+            later = handle("later")
+            worker.submit([later])  # after fail_all: answered at once
+            (ev,) = await events(later)
+            assert ev.error is not None and ev.error.status == 503
+            assert engine.request_id("running") in engine.aborted and len(engine.added) == 1
+
+    run(test)
+
+
+def test_stop_ends_requests_in_flight_with_503() -> None:
+    engine = new_engine()
+    engine.script("held", Script([threading.Event()]))
+
+    async def test() -> None:
+        async with serving(engine, max_running=1) as worker:
+            held, waiting = handle("held"), handle("waiting")
+            worker.submit([held])
+            worker.submit([waiting])
+            await until(lambda: engine.num_running() == 1 and worker.num_waiting == 1, "1 running, 1 waiting")
+            await asyncio.to_thread(worker.stop)
+            for h in (held, waiting):
+                (ev,) = await events(h)
+                assert ev.error is not None and ev.error.status == 503
+
+    run(test)
+
+
+def test_the_speculative_summary_is_the_engines() -> None:
+    engine = new_engine(block_size=4)
+    engine.script("spec", Script([[10], [11, 12, 13], [14], [15, 16]]))  # accepted 2, 0, 1 of 3 drafts
+
+    async def test() -> None:
+        async with serving(engine) as worker:
+            h = handle("spec")
+            worker.submit([h])
+            last = (await events(h))[-1]
+            rid = engine.request_id("spec")
+            await until(lambda: rid in engine.released, "released")
+            stats = engine.final_stats[rid]
+            assert last.spec == stats.summary()
+            assert last.spec is not None and (last.spec.num_drafts, last.spec.num_accepted_tokens) == (3, 3)
+            assert last.spec.mean_acceptance_length == stats.mean_acceptance_length == 2.0
+            assert last.completion_tokens == 7
+
+    run(test)
