@@ -52,5 +52,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [b, heads, n, d]; cos/sin: [b, n, d]."""
-    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+    """x: [b, heads, n, d]; cos/sin: [b, n, r] with r <= d (partial rotary: the last d - r dims pass through)."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos[:, None] + rotate_half(x) * sin[:, None]
+    rot, rest = x[..., :r], x[..., r:]
+    return torch.cat([rot * cos[:, None] + rotate_half(rot) * sin[:, None], rest], dim=-1)

@@ -16,6 +16,7 @@ from dflash_core.engine import Engine
 from dflash_core.runners.base import TargetRunner
 from dflash_core.runners.drafter import DFlashDrafter
 from dflash_core.runners.hf import HFTarget
+from dflash_core.runners.hybrid import HYBRID_MODEL_TYPES, HybridTarget, hybrid_unsupported
 from dflash_core.runners.native import NativeTarget, supports
 
 log = logging.getLogger("dflash.loading")
@@ -155,16 +156,29 @@ def load_models(config: EngineConfig) -> LoadedModels:
     )
 
 
+def native_runner(model: Any) -> tuple[type[NativeTarget] | None, str | None]:
+    """The native runner class for `model`, or None and the reason none runs it."""
+    if model.config.model_type in HYBRID_MODEL_TYPES:
+        reason = hybrid_unsupported(model)
+        return (HybridTarget, None) if reason is None else (None, reason)
+    reason = supports(model)
+    return (NativeTarget, None) if reason is None else (None, reason)
+
+
 def make_target(
     model: Any, layer_ids: list[int] | None, backend: str, max_slots: int, max_model_len: int | None, block: int
 ) -> TargetRunner:
-    """The target adapter for `backend` (hf, native or auto)."""
+    """The target runner for `backend` (hf, native or auto: native where it runs the model)."""
     if backend not in ("hf", "native", "auto"):
         raise ValueError(f"unknown backend {backend!r}; choose hf, native or auto")
-    reason = supports(model)
-    if backend == "hf" or (backend == "auto" and reason is not None):
+    runner, reason = native_runner(model)
+    if model.config.model_type in HYBRID_MODEL_TYPES and (backend == "hf" or runner is None):
+        # transformers' cache for these layers cannot be cropped, so a rejected draft could not be rolled back
+        raise ValueError(f"model_type {model.config.model_type!r} (Gated DeltaNet layers) runs on the native backend "
+                         f"only: {'use backend native or auto' if runner else reason}")
+    if backend == "hf" or (backend == "auto" and runner is None):
         return HFTarget(model, layer_ids)
-    if reason is not None:
+    if runner is None:
         raise ValueError(f"the native backend does not support {reason}; use backend hf")
     max_len = (max_model_len or int(getattr(model.config, "max_position_embeddings", 4096))) + block + 1
-    return NativeTarget(model, layer_ids, max_slots=max_slots, max_len=max_len)
+    return runner(model, layer_ids, max_slots=max_slots, max_len=max_len)

@@ -109,6 +109,12 @@ MUTATIONS: tuple[Mutation, ...] = (
       "for st, *_ in items]", DRAFT_FAULT),
     m("draft_cache_not_rolled_back", DRAFTER, "DFlashDrafter.propose_batch",
       "cache.length = rollback", "cache.length = cache.length", DRAFT_FAULT),
+    # hybrid targets: the recurrent state rolled back to the accepted prefix, padded rows frozen
+    m("hybrid_rollback_one_token_short", "dflash_core/runners/hybrid.py", "HybridTarget._restore",
+      "for i in range(keep):", "for i in range(keep - 1):", "tests/test_hybrid.py", MATRIX),
+    m("hybrid_padding_updates_state", "dflash_core/runners/hybrid.py", "HybridTarget._recurrent",
+      "state = torch.where(active[:, i, None, None, None], new, state)", "state = new",
+      "tests/test_hybrid.py::test_rows_of_different_widths_in_one_batch_stay_exact"),
     # the slot pool: one slot per running request, shared by its target and draft caches
     m("slot_never_returned", "dflash_core/slots.py", "SlotPool.release",
       "        self._free.append(slot)\n", "\n", "tests/test_native.py", "tests/test_llm.py"),

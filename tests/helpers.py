@@ -63,8 +63,11 @@ def make_target(
     seed: int = 0,
 ):
     """A tiny random target with peaked logits (so greedy choices are far from ties), saved to `folder` (None: kept
-    in memory only); arch qwen3, llama or qwen2."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    in memory only); arch qwen3, llama, qwen2, qwen3_moe, or the hybrids qwen3_5 and qwen3_5_moe (Gated DeltaNet
+    layers with every fourth layer full attention)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers.models.qwen3_5 import Qwen3_5TextConfig
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
     torch.manual_seed(seed)
     common = dict(
@@ -82,8 +85,19 @@ def make_target(
         pad_token_id=0,
         bos_token_id=None,
     )
-    configs = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen2": Qwen2Config}
-    cfg = configs[arch](**common)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    linear = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                  linear_conv_kernel_dim=4)
+    configs = {
+        "qwen3": (Qwen3Config, {}),
+        "llama": (LlamaConfig, {}),
+        "qwen2": (Qwen2Config, {}),
+        "qwen3_moe": (Qwen3MoeConfig, dict(moe, decoder_sparse_step=1, norm_topk_prob=True)),
+        "qwen3_5": (Qwen3_5TextConfig, linear),
+        "qwen3_5_moe": (Qwen3_5MoeTextConfig, dict(linear, **moe, shared_expert_intermediate_size=32)),
+    }
+    cls, extra = configs[arch]
+    cfg = cls(**common, **extra)
     model = AutoModelForCausalLM.from_config(cfg)
     if folder is not None:
         model.save_pretrained(str(folder))

@@ -20,7 +20,8 @@ from torch import nn
 from dflash_core.layers import apply_rope
 from dflash_core.runners.base import TargetOutput, TargetRow, TargetRunner
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2", "qwen3_moe")
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [b, n, rotary dim]
 
 
 @dataclass
@@ -31,11 +32,25 @@ class Slot:
     length: int = 0
 
 
-def supports(model: nn.Module) -> str | None:
+@dataclass
+class Batch:
+    """The geometry of one batched forward: rows padded to `n` tokens at positions `pos` of their slots."""
+
+    rows: Sequence[TargetRow | tuple[list[int], int, Any]]
+    b: int
+    n: int
+    lengths: torch.Tensor  # [b] real tokens per row
+    pos: torch.Tensor  # [b, n]
+    slots: torch.Tensor  # [b]
+    kv_len: int  # keys 0 .. kv_len-1 are visible to some query
+    mask: torch.Tensor | None  # [b, 1, n, kv_len]: key position <= query position
+
+
+def supports(model: nn.Module, model_types: Sequence[str] = SUPPORTED_MODEL_TYPES) -> str | None:
     """None when `model` can run natively, else the reason it cannot."""
     cfg = model.config
-    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-        return f"model_type {cfg.model_type!r} (native supports {', '.join(SUPPORTED_MODEL_TYPES)})"
+    if cfg.model_type not in model_types:
+        return f"model_type {cfg.model_type!r} (native supports {', '.join(model_types)})"
     if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
         return "sliding-window attention"
     inner = getattr(model, "model", None)
@@ -45,12 +60,17 @@ def supports(model: nn.Module) -> str | None:
 
 
 class NativeTarget(TargetRunner):
-    """Batched target forward with a slot KV cache; same outputs as `HFTarget`, tested logit for logit."""
+    """Batched target forward with a slot KV cache; same outputs as `HFTarget`, tested logit for logit.
+
+    Subclasses for other layer types override `_allocate` (their caches), `_mix` (a layer's token mixer),
+    `new_cache` and `crop`.
+    """
 
     backend = "native"
+    model_types: tuple[str, ...] = SUPPORTED_MODEL_TYPES
 
     def __init__(self, model: nn.Module, layer_ids: list[int] | None, max_slots: int, max_len: int) -> None:
-        reason = supports(model)
+        reason = supports(model, self.model_types)
         if reason is not None:
             raise ValueError(f"the native backend does not support {reason}; use --backend hf")
         self.model = model.eval()
@@ -65,18 +85,22 @@ class NativeTarget(TargetRunner):
         self.vocab_size = int(self.lm_head.weight.shape[0])
         self.max_position_embeddings = int(getattr(cfg, "max_position_embeddings", max_len))
         self.layer_ids = list(layer_ids or [])
-        attn = self.layers[0].self_attn
-        self.head_dim = int(attn.head_dim)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         self.num_heads = int(cfg.num_attention_heads)
         self.num_kv_heads = int(cfg.num_key_value_heads)
-        self.scaling = float(attn.scaling)
+        self.scaling = self.head_dim**-0.5
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.max_len = int(max_len)
-        shape = (self.num_layers, max_slots, self.num_kv_heads, self.max_len, self.head_dim)
+        self.max_slots = int(max_slots)
+        self._allocate()
+
+    def _allocate(self) -> None:
+        """The KV cache: one row per slot and position for every layer."""
+        shape = (self.num_layers, self.max_slots, self.num_kv_heads, self.max_len, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.max_slots = int(max_slots)
+        self.kv_index = {li: li for li in range(self.num_layers)}  # layer -> its row of k_cache / v_cache
 
     @property
     def embed_weight(self) -> torch.Tensor:
@@ -97,11 +121,7 @@ class NativeTarget(TargetRunner):
         cache.length = min(cache.length, length)
 
     # ---- forward ----
-    @torch.inference_mode()
-    def forward_batch(
-        self, rows: Sequence[TargetRow | tuple[list[int], int, Any]], features: bool, last_only: bool = False
-    ) -> list[TargetOutput]:
-        """Several requests in ONE forward; rows shorter than the longest are padded (padding is never visible)."""
+    def _batch(self, rows: Sequence[TargetRow | tuple[list[int], int, Any]]) -> Batch:
         b = len(rows)
         n = max(len(t) for t, _, _ in rows)
         last_pos = max(start for _, start, _ in rows) + n
@@ -109,19 +129,60 @@ class NativeTarget(TargetRunner):
             raise ValueError(f"position {last_pos} beyond the KV cache ({self.max_len})")
         if any(start > cache.length for _, start, cache in rows):  # rows never written would be visible
             raise ValueError("a row starts past the end of its slot's cache")
-        ids = torch.tensor([t + [t[-1]] * (n - len(t)) for t, _, _ in rows], device=self.device)
         starts = torch.tensor([s for _, s, _ in rows], device=self.device)
         pos = starts[:, None] + torch.arange(n, device=self.device)[None]  # [b, n]
-        slots = torch.tensor([c.index for _, _, c in rows], device=self.device)
         kv_len = int(pos.max()) + 1
         key_pos = torch.arange(kv_len, device=self.device)
         mask = (key_pos[None, None, :] <= pos[:, :, None])[:, None]  # [b, 1, n, kv_len]
         if n == 1 and b == 1:
             mask = None  # one query at the newest position sees every key
-        one_slot = b == 1
+        lengths = torch.tensor([len(t) for t, _, _ in rows], device=self.device)
+        slots = torch.tensor([c.index for _, _, c in rows], device=self.device)
+        return Batch(rows, b, n, lengths, pos, slots, kv_len, mask)
 
+    def _attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Write the rows' keys [b, kv_heads, n, d] and values [b, n, kv_heads, d] at their positions of layer
+        `li`'s slot cache, then attend: [b, heads, n, d]."""
+        kc, vc = self.k_cache[self.kv_index[li]], self.v_cache[self.kv_index[li]]
+        n, kv_len = batch.n, batch.kv_len
+        if batch.b == 1:  # plain slice writes and views: no gather
+            s0, p0 = batch.rows[0][2].index, batch.rows[0][1]
+            kc[s0, :, p0 : p0 + n] = k[0]
+            vc[s0, :, p0 : p0 + n] = v[0].transpose(0, 1)
+            keys, values = kc[s0, :, :kv_len][None], vc[s0, :, :kv_len][None]
+        else:
+            kc[batch.slots[:, None], :, batch.pos] = k.transpose(1, 2)
+            vc[batch.slots[:, None], :, batch.pos] = v
+            keys, values = kc[batch.slots, :, :kv_len], vc[batch.slots, :, :kv_len]
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=batch.mask, scale=self.scaling,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+
+    def _mix(self, li: int, layer: nn.Module, x: torch.Tensor, batch: Batch, rope: Rope) -> torch.Tensor:
+        """Layer `li`'s token mixer on its normed input x [b, n, H]: self-attention over the slot cache."""
+        attn = layer.self_attn
+        b, n = batch.b, batch.n
+        q = attn.q_proj(x).view(b, n, self.num_heads, self.head_dim)
+        k = attn.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
+        v = attn.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3 (Llama and Qwen2 have none)
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        cos, sin = rope
+        q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
+        out = self._attend(li, q, k, v, batch)
+        return attn.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+    @torch.inference_mode()
+    def forward_batch(
+        self, rows: Sequence[TargetRow | tuple[list[int], int, Any]], features: bool, last_only: bool = False
+    ) -> list[TargetOutput]:
+        """Several requests in ONE forward; rows shorter than the longest are padded (padding is never visible)."""
+        batch = self._batch(rows)
+        b, n = batch.b, batch.n
+        ids = torch.tensor([t + [t[-1]] * (n - len(t)) for t, _, _ in rows], device=self.device)
         h = self.embed_tokens(ids)
-        cos, sin = self.rotary(h, pos)
+        rope = self.rotary(h, batch.pos)
         # transformers' numbering: hidden state j is the input of layer j (0: the embeddings) and hidden state
         # num_layers comes after the final norm; the feature of target layer i is hidden state i + 1.
         hidden_ids = [i + 1 for i in self.layer_ids] if features else []
@@ -129,37 +190,13 @@ class NativeTarget(TargetRunner):
         for li, layer in enumerate(self.layers):
             if li in hidden_ids:
                 hidden[li] = h
-            attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(b, n, self.num_heads, self.head_dim)
-            k = attn.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
-            v = attn.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
-            if hasattr(attn, "q_norm"):
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            kc, vc = self.k_cache[li], self.v_cache[li]
-            if one_slot:  # plain slice writes and views: no gather
-                s0, p0 = rows[0][2].index, rows[0][1]
-                kc[s0, :, p0 : p0 + n] = k[0]
-                vc[s0, :, p0 : p0 + n] = v[0].transpose(0, 1)
-                keys, values = kc[s0, :, :kv_len][None], vc[s0, :, :kv_len][None]
-            else:
-                kc[slots[:, None], :, pos] = k.transpose(1, 2)
-                vc[slots[:, None], :, pos] = v
-                keys, values = kc[slots, :, :kv_len], vc[slots, :, :kv_len]
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, scale=self.scaling,
-                enable_gqa=self.num_heads != self.num_kv_heads,
-            )
-            h = h + attn.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+            h = h + self._mix(li, layer, layer.input_layernorm(h), batch, rope)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = self.norm(h)
         if self.num_layers in hidden_ids:
             hidden[self.num_layers] = h
         if last_only:
-            last = torch.tensor([len(t) - 1 for t, _, _ in rows], device=self.device)
-            h = h[torch.arange(b, device=self.device), last][:, None]
+            h = h[torch.arange(b, device=self.device), batch.lengths - 1][:, None]
         logits = self.lm_head(h).float()
         feat = torch.cat([hidden[j] for j in hidden_ids], dim=-1) if hidden_ids else None
         outs = []
@@ -169,4 +206,3 @@ class NativeTarget(TargetRunner):
             row_logits = logits[r] if last_only else logits[r, :m]
             outs.append(TargetOutput(row_logits, feat[r, :m] if feat is not None else None))
         return outs
-

@@ -1,0 +1,235 @@
+"""The native runner for hybrid targets (Qwen3.5, Qwen3.5-MoE): Gated DeltaNet layers beside full attention.
+
+Three of every four layers are Gated DeltaNet (linear attention): a short causal convolution over the projected
+q/k/v channels, then a gated delta-rule recurrence whose state is a `[heads, d_k, d_v]` matrix per request. Each
+slot holds, per linear layer, the convolution window (the last `kernel - 1` inputs) and the recurrent state; the
+full-attention layers use the slot KV cache of `NativeTarget`.
+
+Rollback. A recurrent state cannot be cropped by length. While a forward runs, each linear layer records per row
+the state and window it started from and the per-token inputs of the recurrence (keys, values, decays, betas
+after normalisation: a few KB per token). `crop(cache, length)` recomputes the state from that record over the
+first `length - start` tokens only, with the same operations in the same order, so the state is exactly what
+feeding the accepted prefix alone would have left; no second target forward runs. A prefill records only its
+starting point: it can be rolled back to it (a retry), not into its middle.
+
+Prefill uses transformers' chunked delta-rule reference (as transformers' own prefill does); verify and decode
+steps use the token-by-token recurrence (as transformers' own decode does), so outputs match `generate`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_core.layers import apply_rope
+from dflash_core.runners.native import Batch, NativeTarget, Rope, Slot
+
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+_L2_EPS = 1e-6
+
+
+def hybrid_unsupported(model: nn.Module) -> str | None:
+    """None when the hybrid runner can run `model`, else why not."""
+    cfg = model.config
+    if cfg.model_type not in HYBRID_MODEL_TYPES:
+        return f"model_type {cfg.model_type!r} (the hybrid runner supports {', '.join(HYBRID_MODEL_TYPES)})"
+    if cfg.hidden_act not in ("silu", "swish"):
+        return f"hidden_act {cfg.hidden_act!r} in the linear-attention convolution"
+    return None
+
+
+@dataclass
+class _LayerRecord:
+    """What one linear layer needs to roll one row back into the last forward."""
+
+    window: torch.Tensor  # [C, K-1] convolution window before the forward
+    state: torch.Tensor  # [Hv, dk, dv] recurrent state before the forward (float32)
+    inputs: torch.Tensor | None = None  # [C, m] convolution inputs of the forward's tokens
+    key: torch.Tensor | None = None  # [Hv, m, dk] (normalised, float32)
+    value: torch.Tensor | None = None  # [Hv, m, dv]
+    decay: torch.Tensor | None = None  # [Hv, m] (log decay g)
+    beta: torch.Tensor | None = None  # [Hv, m]
+
+
+@dataclass
+class HybridSlot(Slot):
+    """A request's slot, and what its last forward recorded for rollback."""
+
+    start: int = 0  # position of the last forward's first token
+    state_end: int = 0  # the position the linear layers' windows and states have reached
+    records: dict[int, _LayerRecord] = field(default_factory=dict)
+
+
+def _delta_step(
+    state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> torch.Tensor:
+    """One token of the gated delta rule: state [..., dk, dv]; k [..., dk]; v [..., dv]; g, beta [...]."""
+    state = state * g.exp()[..., None, None]
+    kv_mem = (state * k.unsqueeze(-1)).sum(dim=-2)
+    delta = (v - kv_mem) * beta.unsqueeze(-1)
+    return state + k.unsqueeze(-1) * delta.unsqueeze(-2)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + _L2_EPS)
+
+
+class HybridTarget(NativeTarget):
+    """Batched forward of a hybrid target: full-attention layers over the slot KV cache, Gated DeltaNet layers over
+    slot-indexed convolution windows and recurrent states, with exact rollback (see the module docstring)."""
+
+    model_types = HYBRID_MODEL_TYPES
+
+    def __init__(self, model: nn.Module, layer_ids: list[int] | None, max_slots: int, max_len: int) -> None:
+        reason = hybrid_unsupported(model)
+        if reason is not None:
+            raise ValueError(f"the native backend does not support {reason}")
+        super().__init__(model, layer_ids, max_slots, max_len)
+
+    def _allocate(self) -> None:
+        types = list(self.config.layer_types)
+        attn = [li for li, t in enumerate(types) if t == "full_attention"]
+        linear = [li for li, t in enumerate(types) if t == "linear_attention"]
+        self.kv_index = {li: j for j, li in enumerate(attn)}
+        self.linear_index = {li: j for j, li in enumerate(linear)}
+        shape = (len(attn), self.max_slots, self.num_kv_heads, self.max_len, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        la = self.layers[linear[0]].linear_attn if linear else None
+        conv_dim, kernel = (la.conv_dim, la.conv_kernel_size) if la is not None else (0, 1)
+        hv, dk, dv = (la.num_v_heads, la.head_k_dim, la.head_v_dim) if la is not None else (0, 0, 0)
+        self.conv_state = torch.zeros(len(linear), self.max_slots, conv_dim, kernel - 1, dtype=self.dtype,
+                                      device=self.device)
+        self.rec_state = torch.zeros(len(linear), self.max_slots, hv, dk, dv, dtype=torch.float32, device=self.device)
+        # transformers' chunked delta rule (its prefill): taken from the layer's own modeling module
+        self._chunk_rule: Callable[..., Any] | None = (
+            vars(sys.modules[type(la).__module__])["torch_chunk_gated_delta_rule"] if la is not None else None)
+
+    # ---- slots ----
+    def new_cache(self, slot: int) -> HybridSlot:
+        """The request's rows: empty KV, zero convolution windows and recurrent states."""
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot {slot} outside the cache's {self.max_slots} slots")
+        self.conv_state[:, slot] = 0
+        self.rec_state[:, slot] = 0
+        return HybridSlot(slot)
+
+    @torch.inference_mode()
+    def crop(self, cache: HybridSlot, length: int) -> None:
+        """Back to the first `length` positions: attention by length, linear layers recomputed from the record."""
+        if length >= cache.state_end:  # the states are not past it: attention rows are hidden by length
+            cache.length = min(cache.length, length)
+            return
+        if length < cache.start:
+            raise RuntimeError(f"cannot roll a recurrent state back to {length}, before the last forward "
+                               f"(which started at {cache.start})")
+        keep = length - cache.start
+        for j, rec in cache.records.items():
+            self._restore(j, cache.index, rec, keep)
+        cache.length = cache.state_end = length
+
+    def _restore(self, j: int, slot: int, rec: _LayerRecord, keep: int) -> None:
+        """Layer j's window and state after the first `keep` tokens of the recorded forward."""
+        if keep == 0:
+            self.conv_state[j, slot] = rec.window
+            self.rec_state[j, slot] = rec.state
+            return
+        if rec.inputs is None or rec.key is None or rec.value is None or rec.decay is None or rec.beta is None:
+            raise RuntimeError("this forward was too long to record for rollback into its middle")
+        width = rec.window.shape[-1]
+        self.conv_state[j, slot] = torch.cat([rec.window, rec.inputs[:, :keep]], dim=-1)[:, -width:] if width else (
+            rec.window)
+        state = rec.state[None]
+        for i in range(keep):  # the forward's operations, in its order, on this row alone
+            state = _delta_step(state, rec.key[None, :, i], rec.value[None, :, i], rec.decay[None, :, i],
+                                rec.beta[None, :, i])
+        self.rec_state[j, slot] = state[0]
+
+    # ---- forward ----
+    @torch.inference_mode()
+    def forward_batch(self, rows: Sequence[Any], features: bool, last_only: bool = False) -> list[Any]:
+        for _, start, cache in rows:  # a new forward: new records
+            cache.start, cache.records = start, {}
+        return super().forward_batch(rows, features, last_only)
+
+    def _mix(self, li: int, layer: nn.Module, x: torch.Tensor, batch: Batch, rope: Rope) -> torch.Tensor:
+        if li in self.linear_index:
+            return self._linear(self.linear_index[li], layer.linear_attn, x, batch)
+        return self._gated_attention(li, layer.self_attn, x, batch, rope)
+
+    def _gated_attention(self, li: int, attn: nn.Module, x: torch.Tensor, batch: Batch, rope: Rope) -> torch.Tensor:
+        """Full attention whose query projection also yields an output gate (Qwen3.5)."""
+        b, n = batch.b, batch.n
+        q, gate = torch.chunk(attn.q_proj(x).view(b, n, -1, self.head_dim * 2), 2, dim=-1)
+        gate = gate.reshape(b, n, -1)
+        q = attn.q_norm(q.reshape(b, n, -1, self.head_dim)).transpose(1, 2)
+        k = attn.k_norm(attn.k_proj(x).view(b, n, -1, self.head_dim)).transpose(1, 2)
+        v = attn.v_proj(x).view(b, n, -1, self.head_dim)
+        cos, sin = rope
+        out = self._attend(li, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, batch)
+        out = out.transpose(1, 2).reshape(b, n, -1) * torch.sigmoid(gate)
+        return attn.o_proj(out)
+
+    def _linear(self, j: int, la: nn.Module, x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """A Gated DeltaNet layer over the rows' windows and states; records each row for rollback."""
+        b, n = batch.b, batch.n
+        mixed = la.in_proj_qkv(x).transpose(1, 2)  # [b, C, n]
+        z = la.in_proj_z(x).reshape(b, n, -1, la.head_v_dim)
+        beta = la.in_proj_b(x).sigmoid()
+        g = -la.A_log.float().exp() * F.softplus(la.in_proj_a(x).float() + la.dt_bias)
+        window = self.conv_state[j, batch.slots]  # [b, C, K-1]
+        full = torch.cat([window, mixed.to(window.dtype)], dim=-1)
+        weight = la.conv1d.weight
+        conv = F.conv1d(full.to(weight.dtype), weight, la.conv1d.bias, padding=0, groups=la.conv_dim)[:, :, -n:]
+        conv = F.silu(conv).to(x.dtype).transpose(1, 2)
+        q, k, v = torch.split(conv, [la.key_dim, la.key_dim, la.value_dim], dim=-1)
+        q = q.reshape(b, n, -1, la.head_k_dim)
+        k = k.reshape(b, n, -1, la.head_k_dim)
+        v = v.reshape(b, n, -1, la.head_v_dim)
+        state0 = self.rec_state[j, batch.slots]  # [b, Hv, dk, dv]
+        if b == 1 and int(batch.rows[0][1]) == 0:  # a prefill: transformers' chunked rule, as its own prefill
+            core, state = self._chunk_rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=True,
+                                           use_qk_l2norm_in_kernel=True)
+            kf = vf = gf = bf = None
+        else:
+            core, state, (kf, vf, gf, bf) = self._recurrent(q, k, v, g, beta, state0, batch)
+        # the new window of each row: the last K-1 of [window ++ its real tokens' inputs]
+        width = window.shape[-1]
+        for r, (tokens, _, cache) in enumerate(batch.rows):
+            m = len(tokens)
+            rec = _LayerRecord(window[r].clone(), state0[r].clone())
+            if kf is not None:
+                rec.inputs, rec.key, rec.value = mixed[r, :, :m].to(window.dtype), kf[r, :, :m], vf[r, :, :m]
+                rec.decay, rec.beta = gf[r, :, :m], bf[r, :, :m]
+            cache.records[j] = rec
+            self.conv_state[j, cache.index] = full[r, :, m : m + width]
+            self.rec_state[j, cache.index] = state[r]
+            cache.state_end = cache.start + m
+        core = la.norm(core.reshape(-1, la.head_v_dim), z.reshape(-1, la.head_v_dim)).reshape(b, n, -1)
+        return la.out_proj(core)
+
+    def _recurrent(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        state: torch.Tensor, batch: Batch,
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The token-by-token delta rule (transformers' decode path) over padded rows: a row's state stops at its
+        last real token. Returns the output [b, n, Hv, dv], the final states and the normalised inputs."""
+        dtype, hk, hv = v.dtype, k.shape[2], v.shape[2]
+        if hk != hv:  # each q/k head serves hv // hk consecutive value heads
+            q, k = q.repeat_interleave(hv // hk, dim=2), k.repeat_interleave(hv // hk, dim=2)
+        q, k, v, beta, g = (t.transpose(1, 2).to(torch.float32) for t in (q, k, v, beta, g))
+        q, k = _l2norm(q), _l2norm(k)
+        q = q / (q.shape[-1] ** 0.5)
+        out = torch.zeros_like(v)
+        active = torch.arange(batch.n, device=self.device)[None] < batch.lengths[:, None]  # [b, n]
+        for i in range(batch.n):
+            new = _delta_step(state, k[:, :, i], v[:, :, i], g[:, :, i], beta[:, :, i])
+            out[:, :, i] = (new * q[:, :, i].unsqueeze(-1)).sum(dim=-2)
+            state = torch.where(active[:, i, None, None, None], new, state)
+        return out.transpose(1, 2).to(dtype), state, (k, v, g, beta)

@@ -1,0 +1,132 @@
+"""Hybrid targets (Qwen3.5: Gated DeltaNet layers beside full attention) on the native runner: exact rollback of
+the recurrent state, requests isolated from each other, seeded sampling unchanged by speculation, and served by
+`dflash-serve` through the native backend."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from dflash_core.engine import Engine
+from dflash_core.runners.hybrid import HybridTarget
+from dflash_core.sampling import SamplingParams
+from tests.helpers import make_target, make_tiny_pair
+from tests.server_fixtures import start_server
+from tests.test_engine import ScriptedDrafter, hf_greedy, run_all, tokens
+
+LENGTHS = (3, 17, 40, 66)
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return make_target(None, "qwen3_5", seed=5)
+
+
+@pytest.fixture(scope="module")
+def refs(model: torch.nn.Module) -> dict[tuple[int, ...], list[int]]:
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(4, model.config.vocab_size, (n,), generator=g).tolist() for n in LENGTHS]
+    return {tuple(p): hf_greedy(model, p, NEW) for p in prompts}
+
+
+def runner(model: torch.nn.Module, slots: int = 4) -> HybridTarget:
+    return HybridTarget(model, None, max_slots=slots, max_len=256)
+
+
+def test_crop_leaves_the_state_of_the_accepted_prefix_alone(model: torch.nn.Module) -> None:
+    """Verify 8 tokens, keep 3: every linear layer's window and state equal those of a slot fed only those 3 (up to
+    the float rounding of projecting 8 rows instead of 3; crop itself recomputes in the forward's exact order)."""
+    target = runner(model, slots=2)
+    prompt, block = list(range(5, 25)), [40, 41, 42, 43, 44, 45, 46, 47]
+    a, b = target.new_cache(0), target.new_cache(1)
+    for cache in (a, b):
+        target.forward(prompt, 0, cache, features=False)
+    target.forward(block, len(prompt), a, features=False)
+    target.crop(a, len(prompt) + 3)
+    target.forward(block[:3], len(prompt), b, features=False)
+    assert a.length == b.length == len(prompt) + 3
+    torch.testing.assert_close(target.conv_state[:, 0], target.conv_state[:, 1])
+    torch.testing.assert_close(target.rec_state[:, 0], target.rec_state[:, 1])
+    target.crop(a, len(prompt))  # back to the block's start (a retry): exactly the state before the block
+    target.crop(b, len(prompt))
+    assert torch.equal(target.rec_state[:, 0], target.rec_state[:, 1])
+    assert torch.equal(target.conv_state[:, 0], target.conv_state[:, 1])
+    with pytest.raises(RuntimeError, match="before the last forward"):
+        target.crop(a, len(prompt) - 1)
+
+
+def test_concurrent_requests_equal_each_alone_and_an_abort_leaves_the_others_exact(
+    model: torch.nn.Module, refs: dict
+) -> None:
+    target = runner(model)
+    engine = Engine(target, ScriptedDrafter(refs, 8, target.vocab_size), eos_token_ids=[])
+    ids = {engine.add_request(list(p), SamplingParams(max_tokens=NEW)): ref for p, ref in refs.items()}
+    victim = next(iter(ids))
+    outs: dict[int, list] = {rid: [] for rid in ids}
+    for step in range(100):
+        if step == 3:
+            engine.abort(victim)
+        for out in engine.step():
+            outs[out.request_id].append(out)
+        if not engine.has_unfinished():
+            break
+    assert outs[victim][-1].finish_reason == "abort"
+    for rid, ref in ids.items():
+        if rid != victim:
+            assert tokens(outs[rid]) == ref
+            assert engine.stats(rid).num_accepted_tokens > 0  # partial and full acceptances did happen
+
+
+class UnevenDrafter(ScriptedDrafter):
+    """Proposes fewer tokens than asked, a different number per call: the verify rows of one batch then have
+    different widths, so shorter rows are padded and their states must stop at their last real token."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args, pattern=(15,))  # every proposal right: each row is accepted whole
+        self.cuts = itertools.cycle((1, 7, 0, 4, 2))
+
+    def propose(self, state: tuple, last_token: int, position: int, n: int) -> list[int]:
+        return super().propose(state, last_token, position, n)[: next(self.cuts)]
+
+
+def test_rows_of_different_widths_in_one_batch_stay_exact(model: torch.nn.Module, refs: dict) -> None:
+    target = runner(model)
+    engine = Engine(target, UnevenDrafter(refs, 8, target.vocab_size), eos_token_ids=[])
+    ids = {engine.add_request(list(p), SamplingParams(max_tokens=NEW)): ref for p, ref in refs.items()}
+    outs = run_all(engine)
+    for rid, ref in ids.items():
+        assert tokens(outs[rid]) == ref
+
+
+def test_seeded_sampling_is_the_same_with_and_without_speculation(model: torch.nn.Module, refs: dict) -> None:
+    params = [SamplingParams(max_tokens=NEW, temperature=1.0, top_p=0.9, seed=i) for i in range(len(refs))]
+    texts = []
+    for drafter in (ScriptedDrafter(refs, 8, model.config.vocab_size), None):
+        engine = Engine(runner(model), drafter, eos_token_ids=[])
+        ids = [engine.add_request(list(p), sp) for p, sp in zip(refs, params)]
+        outs = run_all(engine)
+        texts.append([tokens(outs[rid]) for rid in ids])
+    assert texts[0] == texts[1]
+
+
+def test_dflash_serve_runs_a_hybrid_target_natively(tmp_path: Path) -> None:
+    target_dir, draft_dir = make_tiny_pair(tmp_path, arch="qwen3_5")
+    server = start_server(["--target", str(target_dir), "--draft", str(draft_dir), "--device", "cpu",
+                           "--max-running-requests", "2"], tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        body = {"model": "target-qwen3_5", "prompt": "hello world", "max_tokens": 12, "temperature": 0}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        assert r.json()["dflash"]["num_drafts"] >= 1
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+        info = next(line for line in metrics.splitlines() if line.startswith("dflash_model_info{"))
+        assert 'backend="native"' in info
+    finally:
+        server.terminate()
