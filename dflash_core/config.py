@@ -21,6 +21,36 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
+def read_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """`rope_theta` and the RoPE parameters of a config dict: transformers' `rope_parameters`, or the legacy
+    `rope_scaling` with `rope_theta` / `partial_rotary_factor` at top level. None for plain full-rotary RoPE.
+
+    An unknown or refused type is a ValueError naming the field it came from.
+    """
+    from dflash_core.layers import rope_type, rope_type_error  # torch loads only once a draft is read
+
+    source = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"  # transformers' precedence
+    rope = dict(raw.get(source) or {})
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise ValueError(f"draft config.json {source}: one RoPE per layer type is not supported")
+    theta = next(float(t) for t in (raw.get("rope_theta"), rope.get("rope_theta"), 1_000_000.0) if t is not None)
+    kind = rope_type(rope)
+    error = rope_type_error(kind)
+    if error:
+        name = f"{source}.rope_type" if "rope_type" in rope else f"{source}.type"
+        raise ValueError(f"draft config.json {name}: {error}")
+    params = {k: v for k, v in rope.items() if k not in ("type", "rope_theta")}
+    params["rope_type"] = kind
+    if raw.get("partial_rotary_factor") is not None:
+        params.setdefault("partial_rotary_factor", float(raw["partial_rotary_factor"]))
+    if kind in ("llama3", "yarn", "longrope") and raw.get("original_max_position_embeddings") is not None:
+        # transformers gives a top-level original_max_position_embeddings priority (Phi-3 style configs)
+        params["original_max_position_embeddings"] = int(raw["original_max_position_embeddings"])
+    if kind == "default" and float(params.get("partial_rotary_factor") or 1.0) == 1.0:
+        return theta, None
+    return theta, params
+
+
 @dataclass
 class DraftConfig:
     """The fields of a z-lab DFlash draft `config.json` that the draft model uses."""
@@ -31,7 +61,7 @@ class DraftConfig:
     num_attention_heads: int
     num_key_value_heads: int
     vocab_size: int
-    num_target_layers: int
+    num_target_layers: int | None  # None: the format does not say (speculators)
     block_size: int = 16
     mask_token_id: int = 0
     target_layer_ids: list[int] = field(default_factory=list)
@@ -48,13 +78,18 @@ class DraftConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    draft_vocab_size: int | None = None  # a reduced vocabulary with the draft's own head (None: the target's head)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if not self.target_layer_ids:
+            if self.num_target_layers is None:
+                raise ValueError("draft config needs target_layer_ids or num_target_layers")
             self.target_layer_ids = build_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+        if self.draft_vocab_size is not None and int(self.draft_vocab_size) == self.vocab_size:
+            self.draft_vocab_size = None  # the full vocabulary: the target's own head
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DraftConfig:
@@ -72,9 +107,7 @@ class DraftConfig:
             raise ValueError("draft config.json lacks dflash_config.mask_token_id")
         if raw.get("num_target_layers") is None and pick("target_layer_ids") is None:
             raise ValueError("draft config.json needs num_target_layers or dflash_config.target_layer_ids")
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope_theta = raw.get("rope_theta", rope.get("rope_theta", 1_000_000.0))
-        rope_scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        rope_theta, rope_scaling = read_rope(raw)
         layer_ids = pick("target_layer_ids")
         num_target_layers = raw.get("num_target_layers") or (max(layer_ids) + 4)
         return cls(
@@ -90,8 +123,8 @@ class DraftConfig:
             target_layer_ids=[int(i) for i in layer_ids] if layer_ids else [],
             head_dim=raw.get("head_dim"),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            rope_scaling=rope_scaling or None,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             max_position_embeddings=int(raw.get("max_position_embeddings", 40960)),
             attention_bias=bool(raw.get("attention_bias", False)),
             hidden_act=str(raw.get("hidden_act", "silu")),
@@ -101,6 +134,7 @@ class DraftConfig:
             input_embedding_scale=float(pick("input_embedding_scale", 1.0)),
             output_multiplier=float(pick("output_multiplier", 1.0)),
             final_logit_softcapping=pick("final_logit_softcapping"),
+            draft_vocab_size=None if raw.get("draft_vocab_size") is None else int(raw["draft_vocab_size"]),
             extra={k: v for k, v in raw.items() if k in ("bos_token_id", "eos_token_id", "torch_dtype", "dtype")},
         )
 
@@ -138,6 +172,8 @@ class DraftConfig:
             out["dflash_config"][name] = value
         if d["is_causal"] is None:
             d.pop("is_causal")
+        if d["draft_vocab_size"] is None:
+            d.pop("draft_vocab_size")
         d["use_sliding_window"] = d["sliding_window"] is not None
         d["layer_types"] = d["layer_types"] or ["full_attention"] * self.num_hidden_layers
         out.update(d)
@@ -180,6 +216,9 @@ class EngineConfig:
         True, "DFlash speculative decoding; --no-speculative serves the target autoregressively")
     max_running_requests: int = _setting(8, "requests decoded concurrently (each holds one KV-cache slot)")
     max_model_len: int | None = _setting(None, "context length limit (default: the model's)")
+    draft_window: int | None = _setting(
+        None, "the draft attends only to the last N target-context positions, which bounds its KV cache; outputs "
+        "are unchanged, acceptance may drop (default: all positions)")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -194,6 +233,8 @@ class EngineConfig:
             raise ValueError("block_size must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if self.draft_window is not None and self.draft_window < 1:
+            raise ValueError("draft_window must be >= 1")
 
     @classmethod
     def from_settings(cls, settings: Any) -> EngineConfig:

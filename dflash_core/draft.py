@@ -1,7 +1,8 @@
 """The DFlash draft model: a few Qwen3-style layers whose block queries attend to projected target context.
 
 Weight names follow z-lab checkpoints (`fc`, `hidden_norm`, `norm`, `layers.N.self_attn.*`, `layers.N.mlp.*`,
-`layers.N.input_layernorm`, `layers.N.post_attention_layernorm`); `embed_tokens` and `lm_head` are the target's.
+`layers.N.input_layernorm`, `layers.N.post_attention_layernorm`); `embed_tokens` is the target's, and so is the
+output head unless the draft has a reduced vocabulary (`lm_head` and `d2t`, speculators format).
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_core.config import DraftConfig
+from dflash_core.draft_formats import read_draft_config, read_draft_weights
 from dflash_core.layers import RMSNorm, apply_rope, rope_inv_freq
+
+# the position a never-written ring column holds: past every context length, so no query sees it
+_NEVER = 2**62
 
 
 class DraftAttention(nn.Module):
@@ -89,18 +94,31 @@ class DraftLayer(nn.Module):
 
 
 class DraftKVCache:
-    """One request's context keys/values, one growing buffer per layer; row j holds position j."""
+    """One request's context keys/values, one buffer per layer; row j holds position j.
 
-    def __init__(self, num_layers: int) -> None:
+    With a `window` N the buffer is a ring of N rows: position j lives in row j % N and only the last N positions
+    are kept. `length` counts every position either way (rollback is by length).
+    """
+
+    def __init__(self, num_layers: int, window: int | None = None) -> None:
         self.k: list[torch.Tensor | None] = [None] * num_layers
         self.v: list[torch.Tensor | None] = [None] * num_layers
         self.length = 0
+        self.window = window
+        self._end = 0  # the length once this call's rows are in (ring positions are relative to it)
+
+    def skip(self, n: int) -> None:
+        """Count `n` positions that fall out of the window before they would be written (windowed only)."""
+        self.length += n
 
     def update(
         self, layer: int, k: torch.Tensor | None, v: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Write new rows at [length, length + n) (when given); return all rows so far."""
+        """Write new rows at [length, length + n) (when given); return all rows so far (a ring: the last N)."""
         n = 0 if k is None else k.shape[2]
+        self._end = self.length + n
+        if self.window is not None:
+            return self._update_ring(layer, k, v, n)
         if n:
             buf_k = self.k[layer]
             if buf_k is None or buf_k.shape[2] < self.length + n:
@@ -118,47 +136,101 @@ class DraftKVCache:
         end = self.length + n
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
+    def _update_ring(
+        self, layer: int, k: torch.Tensor | None, v: torch.Tensor | None, n: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        window, end = int(self.window), self._end
+        if n:
+            if self.k[layer] is None:
+                self.k[layer] = k.new_zeros(k.shape[0], k.shape[1], window, k.shape[3])
+                self.v[layer] = v.new_zeros(v.shape[0], v.shape[1], window, v.shape[3])
+            keep = min(n, window)  # older rows of this call would be overwritten within it
+            rows = torch.arange(end - keep, end, device=k.device) % window
+            self.k[layer][:, :, rows] = k[:, :, n - keep :]
+            self.v[layer][:, :, rows] = v[:, :, n - keep :]
+        if self.k[layer] is None:
+            return None, None
+        filled = min(end, window)
+        return self.k[layer][:, :, :filled], self.v[layer][:, :, :filled]
+
+    def key_positions(self, batch: int, n: int, device: torch.device) -> torch.Tensor:
+        """Positions [batch, n] of the n keys `update` returned: row c is position c, in a ring the window's
+        position congruent to c."""
+        rows = torch.arange(n, device=device)
+        if self.window is not None:
+            rows = self._end - 1 - (self._end - 1 - rows) % self.window
+        return rows.expand(batch, n)
+
     def commit(self, n: int) -> None:
         """Called once every layer has written its `n` new rows."""
         self.length += n
 
 
 class SlotDraftCache:
-    """Context keys/values of many requests: `[layers, slots, kv_heads, max_len + 1, head_dim]`, written by position.
+    """Context keys/values of many requests: `[layers, slots, kv_heads, C + 1, head_dim]`, written by position.
 
-    A request uses the row of its slot from the engine's SlotPool (the same index as its target KV rows). The last
-    column is scratch: padding rows of a batch write there and no query ever sees it.
+    C is `max_len` (column j holds position j) or, with a `window` N smaller than that, N: a ring where position
+    j lives in column j % N and `pos` records the position each column holds, so that a query sees exactly the
+    window's columns. A request uses the row of its slot from the engine's SlotPool (the same index as its target
+    KV rows). The last column is scratch: padding rows of a batch (at `pad_position`) write there and no query ever
+    sees it.
     """
 
-    def __init__(self, cfg: DraftConfig, max_slots: int, max_len: int, device: torch.device, dtype: torch.dtype):
-        shape = (cfg.num_hidden_layers, max_slots, cfg.num_key_value_heads, max_len + 1, cfg.head_dim)
+    def __init__(
+        self, cfg: DraftConfig, max_slots: int, max_len: int, device: torch.device, dtype: torch.dtype,
+        window: int | None = None,
+    ) -> None:
+        self.window = window if window is not None and window < max_len else None
+        columns = self.window or max_len
+        shape = (cfg.num_hidden_layers, max_slots, cfg.num_key_value_heads, columns + 1, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.scratch = max_len
+        self.scratch = columns
         self.max_slots = max_slots
+        self.pad_position = -1 if self.window else columns
+        self.pos = torch.full((max_slots, columns + 1), _NEVER, device=device) if self.window else None
+
+    def columns(self, positions: torch.Tensor) -> torch.Tensor:
+        """The column each position (or `pad_position`) is written to."""
+        if self.window is None:
+            return positions
+        return torch.where(positions < 0, self.scratch, positions % self.window)
 
     def batch(self, slots: list[int], ctx_pos: torch.Tensor | None, kv_len: int) -> SlotBatch:
         return SlotBatch(self, slots, ctx_pos, kv_len)
 
 
 class SlotBatch:
-    """One batched draft call's view of a SlotDraftCache: rows at `ctx_pos` [b, c], keys 0..kv_len-1 returned."""
+    """One batched draft call's view of a SlotDraftCache: rows at `ctx_pos` [b, c], keys of the first kv_len
+    columns returned (of a ring: of at most its N columns)."""
 
     def __init__(self, cache: SlotDraftCache, slots: list[int], ctx_pos: torch.Tensor | None, kv_len: int) -> None:
-        self.cache, self.kv_len, self.ctx_pos = cache, kv_len, ctx_pos
+        self.cache, self.ctx_pos = cache, ctx_pos
+        self.kv_len = kv_len if cache.window is None else min(kv_len, cache.window)
         self.slots = torch.tensor(slots, device=cache.k.device)
         self.single = slots[0] if len(slots) == 1 else None
+        self.cols = None if ctx_pos is None else cache.columns(ctx_pos)
+        if cache.pos is not None and ctx_pos is not None:
+            # a failed call leaves these marks; its retry rewrites the same columns, and a column overwritten by a
+            # position >= N later holds one no query of this request can need any more
+            cache.pos[self.slots[:, None], self.cols] = ctx_pos
 
     def update(
         self, layer: int, k: torch.Tensor | None, v: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         if k is not None and k.shape[2]:
-            kc[self.slots[:, None], :, self.ctx_pos] = k.transpose(1, 2)
-            vc[self.slots[:, None], :, self.ctx_pos] = v.transpose(1, 2)
+            kc[self.slots[:, None], :, self.cols] = k.transpose(1, 2)
+            vc[self.slots[:, None], :, self.cols] = v.transpose(1, 2)
         if self.single is not None:
             return kc[self.single, :, : self.kv_len][None], vc[self.single, :, : self.kv_len][None]
         return kc[self.slots, :, : self.kv_len], vc[self.slots, :, : self.kv_len]
+
+    def key_positions(self, batch: int, n: int, device: torch.device) -> torch.Tensor:
+        """Positions [batch, n] of the keys `update` returned (a ring's from `pos`)."""
+        if self.cache.pos is None:
+            return torch.arange(n, device=device).expand(batch, n)
+        return self.cache.pos[self.slots, :n]
 
     def commit(self, n: int) -> None:
         pass
@@ -174,8 +246,17 @@ class DFlashDraft(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # a reduced vocabulary: the draft's own head, and d2t mapping its ids to the target's
+        self.lm_head: nn.Linear | None = None
+        self.d2t: torch.Tensor | None
+        if cfg.draft_vocab_size is not None:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        d2t = None if cfg.draft_vocab_size is None else torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+        self.register_buffer("d2t", d2t)
         # Kept out of the state dict and out of `.to(dtype)`: RoPE frequencies stay float32.
-        self._inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self._rope = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings,
+                                   cfg.hidden_size, cfg.num_attention_heads)
+        self._inv_freq, self._long_inv_freq = self._rope.inv_freq, self._rope.long_inv_freq
 
     @property
     def block_size(self) -> int:
@@ -185,13 +266,28 @@ class DFlashDraft(nn.Module):
     def mask_token_id(self) -> int:
         return self.cfg.mask_token_id
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [b, n, head_dim] for integer positions [b, n]."""
+    def rope(
+        self, positions: torch.Tensor, dtype: torch.dtype, last: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [b, n, rotary_dim] for integer positions [b, n], times the RoPE type's attention scaling.
+
+        `last` [b] is each row's last position in this forward: LongRoPE switches to its long frequencies once the
+        sequence is longer than `original_max_position_embeddings`, as transformers does per forward.
+        """
         if self._inv_freq.device != positions.device:
             self._inv_freq = self._inv_freq.to(positions.device)
-        freqs = positions[..., None].float() * self._inv_freq
+            if self._long_inv_freq is not None:
+                self._long_inv_freq = self._long_inv_freq.to(positions.device)
+        inv_freq = self._inv_freq
+        if self._long_inv_freq is not None and last is not None:
+            long = (last + 1 > int(self._rope.original_max_position_embeddings or 0))[:, None, None]
+            inv_freq = torch.where(long, self._long_inv_freq, self._inv_freq)
+        freqs = positions[..., None].float() * inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self._rope.attention_scaling != 1.0:
+            cos, sin = cos * self._rope.attention_scaling, sin * self._rope.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
 
     def embed(self, token_ids: torch.Tensor, embed_weight: torch.Tensor) -> torch.Tensor:
         """Block embeddings through the target's embedding table."""
@@ -199,14 +295,19 @@ class DFlashDraft(nn.Module):
         return emb * self.cfg.input_embedding_scale if self.cfg.input_embedding_scale != 1.0 else emb
 
     def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        """Logits through the target's output head (with the optional multiplier and soft-cap)."""
-        logits = F.linear(hidden, lm_head_weight)
+        """Logits through the target's output head, or the draft's own over its reduced vocabulary (draft ids:
+        `target_ids` maps them), with the optional multiplier and soft-cap."""
+        logits = F.linear(hidden, lm_head_weight if self.lm_head is None else self.lm_head.weight)
         if self.cfg.output_multiplier != 1.0:
             logits = logits * self.cfg.output_multiplier
         cap = self.cfg.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids of `logits`' vocabulary as target ids: target id = draft id + d2t[draft id]."""
+        return ids if self.d2t is None else ids + self.d2t[ids]
 
     def _mask(self, layer: DraftLayer, q_pos: torch.Tensor, k_pos: torch.Tensor, base: torch.Tensor | None):
         attn = layer.self_attn
@@ -232,22 +333,24 @@ class DFlashDraft(nn.Module):
         mask: torch.Tensor | None = None,
         ctx_len: torch.Tensor | None = None,
         block_len: torch.Tensor | None = None,
+        ctx_start: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the block; returns final-normed hidden states [b, q, H].
 
         block_emb [b, q, H] at positions block_pos [b, q]; ctx_features [b, c, len(ids)*H] are new target context
-        rows at ctx_pos [b, c]. With a cache they are written to it and the queries see every cached row (row j
-        holds position j); without one they see only these rows. `ctx_len` [b] hides cached rows at positions
-        >= it, `block_len` [b] hides padded block rows, and `mask` (bool [b, 1, q, keys]) is an explicit
-        visibility over keys [context ++ block] (training).
+        rows at ctx_pos [b, c]. With a cache they are written to it and the queries see every cached row (at the
+        positions the cache reports); without one they see only these rows. `ctx_len` [b] hides cached rows at
+        positions >= it, `ctx_start` [b] those at positions < it (a window), `block_len` [b] hides padded block
+        rows, and `mask` (bool [b, 1, q, keys]) is an explicit visibility over keys [context ++ block] (training).
         """
         dtype = block_emb.dtype
         b, q = block_pos.shape
-        cos_q, sin_q = self.rope(block_pos, dtype)
+        last = block_pos.max(dim=1).values if self._long_inv_freq is not None else None
+        cos_q, sin_q = self.rope(block_pos, dtype, last)
         ctx = None
         if ctx_features is not None and ctx_features.shape[1] > 0:
             ctx = self.hidden_norm(self.fc(ctx_features))
-            cos_c, sin_c = self.rope(ctx_pos, dtype)
+            cos_c, sin_c = self.rope(ctx_pos, dtype, last)
         x = block_emb
         base, k_pos = mask, None
         for i, layer in enumerate(self.layers):
@@ -260,14 +363,18 @@ class DFlashDraft(nn.Module):
                 ctx_k = ctx_v = x.new_zeros(shape)
             if k_pos is None:  # same keys for every layer: build positions and validity once
                 n_ctx = ctx_k.shape[2]
-                ctx_k_pos = ctx_pos if cache is None and ctx is not None else (
-                    torch.arange(n_ctx, device=block_pos.device).expand(b, n_ctx))
+                if cache is not None:
+                    ctx_k_pos = cache.key_positions(b, n_ctx, block_pos.device)
+                else:
+                    ctx_k_pos = ctx_pos if ctx is not None else block_pos[:, :0]
                 k_pos = torch.cat([ctx_k_pos, block_pos], dim=1)
                 valid = []
                 all_ctx = torch.ones_like(ctx_k_pos, dtype=torch.bool)
                 all_block = torch.ones_like(block_pos, dtype=torch.bool)
                 if ctx_len is not None:
                     valid.append(torch.cat([ctx_k_pos < ctx_len[:, None], all_block], 1))
+                if ctx_start is not None:
+                    valid.append(torch.cat([ctx_k_pos >= ctx_start[:, None], all_block], 1))
                 if block_len is not None:
                     in_block = torch.arange(q, device=block_pos.device)[None] < block_len[:, None]
                     valid.append(torch.cat([all_ctx, in_block], 1))
@@ -292,20 +399,9 @@ class DFlashDraft(nn.Module):
 
     @classmethod
     def from_folder(cls, folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-        """Load a z-lab draft folder (config.json + *.safetensors)."""
-        from safetensors.torch import load_file
-
-        folder = Path(folder)
-        cfg = DraftConfig.from_file(folder)
-        files = sorted(folder.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{folder}: no *.safetensors weights")
-        state: dict[str, torch.Tensor] = {}
-        for f in files:
-            for k, v in load_file(str(f)).items():
-                state[k.removeprefix("model.")] = v
-        for name in ("embed_tokens.weight", "lm_head.weight"):
-            state.pop(name, None)
+        """Load a draft folder (config.json + *.safetensors) in z-lab or speculators format."""
+        cfg = read_draft_config(folder)
+        state = read_draft_weights(folder, cfg)
         model = cls(cfg)
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:

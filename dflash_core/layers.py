@@ -1,14 +1,20 @@
-"""Our layers: RMSNorm and rotary position embeddings (RoPE) with the scaling types draft configs use.
+"""Our layers: RMSNorm and rotary position embeddings (RoPE) with every scaling type transformers defines.
 
 The draft model uses all of them. The native target runner uses `apply_rope` only: it runs the target's own
 norms and rotary module (so a target's RoPE scaling is whatever transformers implements for it)."""
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+
+# "dynamic" (dynamic NTK) recomputes its frequencies from the length of each forward in transformers: keys cached
+# under earlier lengths cannot follow, so a draft with it is refused rather than approximated.
+REFUSED_ROPE_TYPES = {"dynamic": "its frequencies change with every forward's sequence length, which cached draft "
+                                 "keys cannot follow; use yarn, linear or longrope"}
 
 
 class RMSNorm(nn.Module):
@@ -26,24 +32,78 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse RoPE frequencies, with Llama-3 style scaling when the config asks for it."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind == "linear":
-        inv_freq = inv_freq / float(scaling["factor"])
-    elif kind == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
-        old_len = float(scaling.get("original_max_position_embeddings", 8192))
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_len / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-    elif kind not in ("default", None):
-        raise ValueError(f"unsupported rope_scaling type {kind!r} in draft config")
-    return inv_freq.float()
+@dataclass(frozen=True)
+class RopeFrequencies:
+    """Inverse frequencies of the rotated dims (`rotary_dim / 2` of them) and the factor on cos/sin.
+
+    `attention_scaling` is transformers' post-processing factor (YaRN, LongRoPE). LongRoPE also has
+    `long_inv_freq`, which (as in transformers) a forward uses once its sequence length exceeds
+    `original_max_position_embeddings`.
+    """
+
+    inv_freq: torch.Tensor
+    attention_scaling: float = 1.0
+    long_inv_freq: torch.Tensor | None = None
+    original_max_position_embeddings: int | None = None
+
+
+def rope_type(params: dict[str, Any] | None) -> str:
+    """The RoPE type a `rope_parameters` / `rope_scaling` dict names ("default" when none)."""
+    params = params or {}
+    return str(params.get("rope_type", params.get("type")) or "default")
+
+
+def rope_type_error(kind: str) -> str | None:
+    """Why a RoPE type cannot run in the draft, or None when it can."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if kind in REFUSED_ROPE_TYPES:
+        return f"RoPE type {kind!r} is not supported for drafts: {REFUSED_ROPE_TYPES[kind]}"
+    if kind != "default" and kind not in ROPE_INIT_FUNCTIONS:
+        known = ", ".join(sorted({"default", *ROPE_INIT_FUNCTIONS} - set(REFUSED_ROPE_TYPES)))
+        return f"unknown RoPE type {kind!r} (known: {known})"
+    return None
+
+
+def rope_inv_freq(
+    head_dim: int,
+    theta: float,
+    scaling: dict[str, Any] | None,
+    max_position_embeddings: int = 40960,
+    hidden_size: int | None = None,
+    num_attention_heads: int | None = None,
+) -> RopeFrequencies:
+    """RoPE frequencies for a draft config: "default" here, every other type by transformers' own init function.
+
+    `scaling` is the draft's `rope_parameters` (or legacy `rope_scaling`) dict; its `partial_rotary_factor` makes
+    only the first `int(head_dim * factor)` dims rotate.
+    """
+    kind = rope_type(scaling)
+    error = rope_type_error(kind)
+    if error:
+        raise ValueError(error)
+    params = {k: v for k, v in (scaling or {}).items() if k != "type"}
+    if kind == "default":
+        dim = int(head_dim * float(params.get("partial_rotary_factor") or 1.0))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        return RopeFrequencies(inv_freq.float())
+    from transformers import PretrainedConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    # the attributes transformers' init functions read; standardize_rope_params fills their defaults
+    config = PretrainedConfig()
+    config.rope_parameters = {**params, "rope_type": kind, "rope_theta": float(theta)}
+    config.head_dim = head_dim
+    config.hidden_size = hidden_size or head_dim
+    config.num_attention_heads = num_attention_heads or 1
+    config.max_position_embeddings = max_position_embeddings
+    init = ROPE_INIT_FUNCTIONS[kind]
+    inv_freq, scaling_factor = init(config, None)
+    if kind != "longrope":
+        return RopeFrequencies(inv_freq.float(), float(scaling_factor))
+    original = int(config.rope_parameters["original_max_position_embeddings"])
+    long_inv_freq, _ = init(config, None, seq_len=original + 1)
+    return RopeFrequencies(inv_freq.float(), float(scaling_factor), long_inv_freq.float(), original)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 from dflash_core.chat import eos_token_ids
 from dflash_core.config import DraftConfig, EngineConfig
 from dflash_core.draft import DFlashDraft
+from dflash_core.draft_formats import read_draft_config
 from dflash_core.engine import Engine
 from dflash_core.runners.base import TargetRunner
 from dflash_core.runners.drafter import DFlashDrafter
@@ -96,7 +97,7 @@ def check_pair(cfg: DraftConfig, target: TargetRunner) -> None:
         raise ValueError(
             f"draft/target mismatch in mask_token_id: {cfg.mask_token_id} outside the vocabulary ({target.vocab_size})"
         )
-    if cfg.num_target_layers != target.num_layers:
+    if cfg.num_target_layers is not None and cfg.num_target_layers != target.num_layers:
         log.warning("draft was trained for %d target layers, target has %d", cfg.num_target_layers, target.num_layers)
 
 
@@ -128,7 +129,7 @@ def load_models(config: EngineConfig) -> LoadedModels:
     model = load_target(target, dev, dt)
     use_draft = config.speculative and draft is not None and (block_size is None or block_size > 1)
     draft_path = local_folder(draft) if use_draft else None
-    cfg = DraftConfig.from_file(draft_path) if draft_path is not None else None
+    cfg = read_draft_config(draft_path) if draft_path is not None else None
     layer_ids = cfg.target_layer_ids if cfg is not None else None
     block = (block_size or cfg.block_size) if cfg is not None else 1
     slots = config.max_running_requests
@@ -140,7 +141,7 @@ def load_models(config: EngineConfig) -> LoadedModels:
         # a slot-indexed target gets a slot-indexed (batched) draft cache of the same slots and length
         batched = target_model.max_slots is not None
         slot_cache = dict(max_slots=target_model.max_slots, max_len=target_model.max_len) if batched else {}
-        drafter = DFlashDrafter(draft_model, target_model, block, **slot_cache)
+        drafter = DFlashDrafter(draft_model, target_model, block, window=config.draft_window, **slot_cache)
     max_len = config.max_model_len or target_model.max_position_embeddings
     engine = Engine(target_model, drafter, eos_token_ids=eos_token_ids(model, tok), max_model_len=max_len,
                     max_slots=slots)
@@ -177,6 +178,8 @@ def make_target(
         raise ValueError(f"model_type {model.config.model_type!r} (Gated DeltaNet layers) runs on the native backend "
                          f"only: {'use backend native or auto' if runner else reason}")
     if backend == "hf" or (backend == "auto" and runner is None):
+        if backend == "auto":
+            log.info("backend auto: the hf backend runs this target (native does not support %s)", reason)
         return HFTarget(model, layer_ids)
     if runner is None:
         raise ValueError(f"the native backend does not support {reason}; use backend hf")

@@ -115,6 +115,13 @@ MUTATIONS: tuple[Mutation, ...] = (
     m("hybrid_padding_updates_state", "dflash_core/runners/hybrid.py", "HybridTarget._recurrent",
       "state = torch.where(active[:, i, None, None, None], new, state)", "state = new",
       "tests/test_hybrid.py::test_rows_of_different_widths_in_one_batch_stay_exact"),
+    # draft formats: the window ring's positions, a reduced vocabulary's id map, RoPE attention scaling
+    m("draft_ring_positions_not_recorded", "dflash_core/draft.py", "SlotBatch.__init__",
+      "cache.pos[self.slots[:, None], self.cols] = ctx_pos", "pass", "tests/test_draft_window.py"),
+    m("reduced_vocab_ids_not_mapped", "dflash_core/draft.py", "DFlashDraft.target_ids",
+      "return ids if self.d2t is None else ids + self.d2t[ids]", "return ids", "tests/test_speculators.py"),
+    m("rope_attention_scaling_dropped", "dflash_core/draft.py", "DFlashDraft.rope",
+      "if self._rope.attention_scaling != 1.0:", "if False:", "tests/test_draft_rope.py"),
     # the slot pool: one slot per running request, shared by its target and draft caches
     m("slot_never_returned", "dflash_core/slots.py", "SlotPool.release",
       "        self._free.append(slot)\n", "\n", "tests/test_native.py", "tests/test_llm.py"),

@@ -63,9 +63,17 @@ def make_target(
     seed: int = 0,
 ):
     """A tiny random target with peaked logits (so greedy choices are far from ties), saved to `folder` (None: kept
-    in memory only); arch qwen3, llama, qwen2, qwen3_moe, or the hybrids qwen3_5 and qwen3_5_moe (Gated DeltaNet
-    layers with every fourth layer full attention)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    in memory only); arch qwen3, llama, qwen2, qwen3_moe, gpt_oss (sliding window 8), or the hybrids qwen3_5,
+    qwen3_5_moe and qwen3_next (Gated DeltaNet layers with every fourth layer full attention)."""
+    from transformers import (
+        AutoModelForCausalLM,
+        GptOssConfig,
+        LlamaConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+        Qwen3NextConfig,
+    )
     from transformers.models.qwen3_5 import Qwen3_5TextConfig
     from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 
@@ -95,6 +103,9 @@ def make_target(
         "qwen3_moe": (Qwen3MoeConfig, dict(moe, decoder_sparse_step=1, norm_topk_prob=True)),
         "qwen3_5": (Qwen3_5TextConfig, linear),
         "qwen3_5_moe": (Qwen3_5MoeTextConfig, dict(linear, **moe, shared_expert_intermediate_size=32)),
+        "gpt_oss": (GptOssConfig, dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
+        "qwen3_next": (Qwen3NextConfig, dict(linear, **moe, shared_expert_intermediate_size=32, decoder_sparse_step=1,
+                                              partial_rotary_factor=0.25)),
     }
     cls, extra = configs[arch]
     cfg = cls(**common, **extra)

@@ -1,8 +1,9 @@
 """Every family on every backend that claims it: greedy output equals transformers' own greedy generate.
 
-Qwen3, Llama, Qwen2 and Qwen3-MoE run on `hf` and `native`; the hybrids Qwen3.5 and Qwen3.5-MoE (Gated DeltaNet
-layers, whose recurrent state is rolled back exactly) on `native` only. Each runs at block sizes 2, 8 and 16 with a
-scripted draft right for part of each block (short, full and zero acceptances, the bonus token), four requests of
+Qwen3, Llama, Qwen2 and Qwen3-MoE run on `hf` and `native`; gpt-oss (sliding-window layers, attention sinks, MoE)
+on `hf` only; the hybrids Qwen3.5, Qwen3.5-MoE and Qwen3-Next (Gated
+DeltaNet layers, whose recurrent state is rolled back exactly) on `native` only. Each runs at block sizes 2, 8 and 16
+with a scripted draft right for part of each block (short, full and zero acceptances, the bonus token), four requests of
 different lengths at once, and with a real (random) DFlash draft whose every proposal is checked against the
 from-scratch draft reference.
 """
@@ -27,8 +28,9 @@ from tests.helpers import RecordingDrafter, make_target
 from tests.test_draft_reference import assert_proposals_match_reference
 from tests.test_engine import ScriptedDrafter, hf_greedy, run_all, tokens
 
-FAMILIES = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen3_5", "qwen3_5_moe")
-HYBRIDS = ("qwen3_5", "qwen3_5_moe")  # native only: transformers' cache cannot roll their recurrent state back
+FAMILIES = ("qwen3", "llama", "qwen2", "qwen3_moe", "gpt_oss", "qwen3_5", "qwen3_5_moe", "qwen3_next")
+HF_ONLY = ("gpt_oss",)  # the native runner has no attention sinks or sliding windows: loading picks hf for it
+HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # native only: transformers' cache cannot roll them back
 BACKENDS = ("hf", "native")
 PROMPT_LENGTHS = (1, 7, 64, 200)
 NEW_TOKENS = 40
@@ -36,7 +38,8 @@ MAX_LEN = 300
 
 
 def test_every_native_family_is_in_the_matrix():
-    native_types = {f for f in FAMILIES if f not in HYBRIDS} | {f"{f}_text" for f in HYBRIDS}
+    text_types = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}  # their text-only model types
+    native_types = {text_types.get(f, f) for f in FAMILIES if f not in HF_ONLY}
     assert native_types == set(SUPPORTED_MODEL_TYPES) | set(HYBRID_MODEL_TYPES)
 
 
@@ -61,12 +64,15 @@ def make_backend(model: torch.nn.Module, backend: str, layer_ids: list[int] | No
 
 
 def refused_on_hf(family: tuple, backend: str) -> bool:
-    """A hybrid on `hf`: loading must refuse it with a clear message (transformers' cache cannot roll it back)."""
+    """A backend that does not run the family: loading refuses it with a clear message (a hybrid on `hf`, whose
+    cache transformers cannot roll back; gpt-oss on `native`), and `auto` picks the one that runs it."""
     name, model, _ = family
-    if backend != "hf" or name not in HYBRIDS:
+    if (backend, name in HYBRIDS, name in HF_ONLY) not in (("hf", True, False), ("native", False, True)):
         return False
-    with pytest.raises(ValueError, match="native backend only"):
-        load_target_runner(model, None, "hf", len(PROMPT_LENGTHS), MAX_LEN, 16)
+    with pytest.raises(ValueError, match="native backend only" if backend == "hf" else "does not support"):
+        load_target_runner(model, None, backend, len(PROMPT_LENGTHS), MAX_LEN, 16)
+    auto = load_target_runner(model, None, "auto", len(PROMPT_LENGTHS), MAX_LEN, 16)
+    assert auto.backend != backend
     return True
 
 

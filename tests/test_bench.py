@@ -288,6 +288,36 @@ def test_memory_estimate_matches_real_models_and_caches(pair: tuple[Path, Path])
     assert est["draft_kv_bytes"] == tensors(engine.drafter.slots)
 
 
+def test_memory_estimate_of_hybrid_and_moe_presets(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Qwen3.5 / Qwen3.6 (hybrid) and gpt-oss (MoE) presets: parameters as transformers counts them, KV rows for
+    full-attention layers only plus the Gated DeltaNet state; a tiny hybrid's estimate is what the runner allocates."""
+    import torch
+
+    from dflash_core.config import EngineConfig
+    from dflash_core.loading import load_models
+
+    est = bench.memory_from_preset(REPO / "configs" / "qwen3.5-9b.yaml")
+    rows = 8192 + 16 + 1
+    assert est["target_params"] == 8_953_803_264  # Qwen3_5ForCausalLM of the published text config, meta device
+    assert est["target_kv_bytes"] == 2 * 8 * 4 * 256 * 2 * rows * 8  # 8 of 32 layers keep K and V
+    assert est["target_state_bytes"] == 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4) * 8  # 24 DeltaNet layers, 8 slots
+    assert bench.memory_from_preset(REPO / "configs" / "qwen3.5-27b.yaml")["target_params"] == 26_895_998_464
+    oss = bench.memory_from_preset(REPO / "configs" / "gpt-oss-20b.yaml")
+    assert oss["target_params"] == 20_914_757_184 and oss["target_state_bytes"] == 0  # every expert resident
+    presets = [str(REPO / "configs" / n) for n in ("qwen3.5-9b.yaml", "qwen3.5-27b.yaml", "qwen3.6-27b.yaml",
+                                                   "gpt-oss-20b.yaml")]
+    assert bench.main(["memory", *presets]) == 0
+    assert capsys.readouterr().out.count("\n| `") == 4
+
+    target, draft = make_tiny_pair(tmp_path, "qwen3_5")
+    est = bench.memory_estimate(str(target), str(draft), dtype="float32", max_model_len=64, max_running_requests=3)
+    engine = load_models(EngineConfig(str(target), str(draft), device="cpu", dtype="float32", max_model_len=64,
+                                      max_running_requests=3, backend="native")).engine
+    allocated = sum(t.nbytes for t in vars(engine.target).values() if isinstance(t, torch.Tensor))
+    assert est["target_params"] == sum(p.numel() for p in engine.target.model.parameters())
+    assert est["target_kv_bytes"] + est["target_state_bytes"] == allocated
+
+
 def _clean_env(monkeypatch: pytest.MonkeyPatch, home: Path) -> None:
     monkeypatch.delenv(bench.BENCH_DIR_ENV, raising=False)
     monkeypatch.setenv("HOME", str(home))

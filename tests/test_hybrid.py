@@ -130,3 +130,28 @@ def test_dflash_serve_runs_a_hybrid_target_natively(tmp_path: Path) -> None:
         assert 'backend="native"' in info
     finally:
         server.terminate()
+
+
+def test_a_published_multimodal_qwen3_5_checkpoint_loads_as_a_native_hybrid(tmp_path: Path) -> None:
+    """Qwen3.5 / Qwen3.6 checkpoints are `Qwen3_5ForConditionalGeneration` (model_type qwen3_5, with a vision
+    encoder): the text model loads from them and runs natively, equal to transformers' greedy generate."""
+    from transformers.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from dflash_core.config import EngineConfig
+    from dflash_core.loading import load_models
+    from tests.helpers import make_tokenizer
+
+    folder = tmp_path / "qwen3_5-vl"
+    tok = make_tokenizer(folder)
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=512, initializer_range=0.2)
+    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=64)
+    torch.manual_seed(7)
+    Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)).save_pretrained(folder)
+    models = load_models(EngineConfig(str(folder), None, device="cpu", dtype="float32"))
+    assert models.backend == "native" and isinstance(models.engine.target, HybridTarget)
+    prompt = [5, 9, 13, 17, 21]
+    rid = models.engine.add_request(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+    out = run_all(models.engine)[rid]
+    assert tokens(out) == hf_greedy(models.engine.target.model, prompt, 12)

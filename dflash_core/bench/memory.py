@@ -1,5 +1,7 @@
 """`dflash-bench memory`: the GPU memory the native backend allocates at start-up for a preset, computed from the
-models' shapes (nothing is loaded or downloaded)."""
+models' shapes (nothing is loaded or downloaded). Dense, MoE (experts counted in full: every expert is resident) and
+hybrid Gated DeltaNet targets (KV rows for the full-attention layers only, plus each slot's convolution windows
+and recurrent states, as `dflash_core.runners.hybrid` allocates them)."""
 
 from __future__ import annotations
 
@@ -9,10 +11,31 @@ from typing import Any
 
 from dflash_core.bench.errors import BenchError
 
+# Qwen3.5 / Qwen3.6 dense text configs: Gated DeltaNet layers, every fourth layer full attention (with an output
+# gate), vocabulary 248320, untied head
+_QWEN35 = dict(vocab_size=248320, tie_word_embeddings=False, max_position_embeddings=262144, qk_norm=True,
+               model_type="qwen3_5_text", full_attention_interval=4, attn_output_gate=True, head_dim=256,
+               linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4)
+# z-lab drafts: Qwen3-style layers (full attention, 32 heads x 128, 8 KV heads), 5 of them, block size 16
+_DRAFT = dict(num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8, head_dim=128, block_size=16,
+              qk_norm=True)
+
 # config.json fields of the preset models. Targets: their published configs. Drafts (they share the target's
 # embeddings and head): assumed, not read from the hub: 5 layers with the target's layer shapes (z-lab's
 # Qwen3-8B-DFlash-b16 reads 5 target layers, [1, 9, 17, 25, 33], one per draft layer). A local folder's
 # config.json replaces these (memory_estimate with a path).
+#
+# Qwen/Qwen3.5-9B, Qwen/Qwen3.5-27B: the text_config of their published config.json (as quoted by third-party
+# tests and model cards: 9B 32 layers x 4096, FFN 12288, 16 heads / 4 KV heads x 256, linear heads 16 key / 32
+# value x 128; 27B 64 layers x 5120, FFN 17408, 24 / 4 heads x 256, linear heads 16 / 48 x 128). Their counts
+# here, 8.95 B and 26.90 B, equal transformers' own (text model, without the vision tower and MTP layer).
+# Qwen/Qwen3.6-27B: not read from its config.json; taken to be Qwen3.5-27B's shape (the same qwen3_5 classes and
+# layer layout, per third-party notes). openai/gpt-oss-20b: its config.json (24 layers x 2880, 64 / 8 heads x 64,
+# 32 experts x 2880, top 4, vocabulary 201088, untied), 20.91 B parameters as transformers counts them (the hub
+# stores the experts in MXFP4; dtype bfloat16 holds them dequantized). Their drafts are assumed (`_DRAFT`, not
+# read from the hub): 5 Qwen3-style layers of 32 heads x 128 at the target's width and MLP width, target layer ids
+# by z-lab's rule (Qwen3.5-9B-DFlash's [1, 8, 15, 22, 29] and its 32 heads are also on a third-party card); the
+# hub lists z-lab's Qwen3.5-9B-DFlash at 1 B and Qwen3.6-27B-DFlash at 2 B parameters, as these shapes give.
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
     "Qwen/Qwen3-8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                           num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
@@ -34,7 +57,27 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
                                                         num_hidden_layers=5, num_attention_heads=32,
                                                         num_key_value_heads=8, head_dim=128, block_size=16,
                                                         target_layer_ids=[1, 8, 15, 22, 29], qk_norm=True),
+    "Qwen/Qwen3.5-9B": dict(_QWEN35, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                            num_attention_heads=16, num_key_value_heads=4, linear_num_value_heads=32),
+    "Qwen/Qwen3.5-27B": dict(_QWEN35, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                             num_attention_heads=24, num_key_value_heads=4, linear_num_value_heads=48),
+    "Qwen/Qwen3.6-27B": dict(_QWEN35, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                             num_attention_heads=24, num_key_value_heads=4, linear_num_value_heads=48),
+    "openai/gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                               num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
+                               tie_word_embeddings=False, max_position_embeddings=131072, attention_bias=True,
+                               num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+                               layer_types=["sliding_attention", "full_attention"] * 12),
+    "z-lab/Qwen3.5-9B-DFlash": dict(_DRAFT, hidden_size=4096, intermediate_size=12288,
+                                    target_layer_ids=[1, 8, 15, 22, 29]),
+    "z-lab/Qwen3.5-27B-DFlash": dict(_DRAFT, hidden_size=5120, intermediate_size=17408,
+                                     target_layer_ids=[1, 16, 31, 46, 61]),
+    "z-lab/Qwen3.6-27B-DFlash": dict(_DRAFT, hidden_size=5120, intermediate_size=17408,
+                                     target_layer_ids=[1, 16, 31, 46, 61]),
+    "z-lab/gpt-oss-20b-DFlash": dict(_DRAFT, hidden_size=2880, intermediate_size=2880,
+                                     target_layer_ids=[1, 6, 11, 16, 21]),
 }
+GATED_ATTENTION_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
 GB = 1e9
 
@@ -55,25 +98,81 @@ def _model_shape(name: str) -> dict[str, Any]:
         **cfg,
         "num_key_value_heads": int(cfg.get("num_key_value_heads") or heads),
         "head_dim": int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-        "qk_norm": cfg.get("model_type") in ("qwen3", None) or "DFlashDraftModel" in cfg.get("architectures", []),
+        "qk_norm": str(cfg.get("model_type") or "qwen3").startswith("qwen3")
+        or "DFlashDraftModel" in cfg.get("architectures", []),
+        # transformers' Qwen3.5 and Qwen3-Next attention always has the output gate (its config has no field for it)
+        "attn_output_gate": cfg.get("attn_output_gate", cfg.get("model_type") in GATED_ATTENTION_TYPES),
         "target_layer_ids": dflash.get("target_layer_ids") or cfg.get("target_layer_ids") or [],
         "block_size": cfg.get("block_size") or dflash.get("block_size"),
     }
 
 
-def _layer_params(m: dict[str, Any]) -> int:
-    """One decoder layer: attention (q, k, v, o; q/k norms for Qwen3), gated MLP, two RMSNorms."""
+def layer_types(m: dict[str, Any]) -> list[str]:
+    """Each layer's token mixer: the config's `layer_types`, else Gated DeltaNet with every
+    `full_attention_interval`-th layer full attention where the config has linear-attention heads, else all
+    full attention."""
+    n = int(m["num_hidden_layers"])
+    if m.get("layer_types"):
+        return list(m["layer_types"])
+    if m.get("linear_num_value_heads"):
+        every = int(m.get("full_attention_interval") or 4)
+        return ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+    return ["full_attention"] * n
+
+
+def _attention_params(m: dict[str, Any]) -> int:
+    """Attention (q, k, v, o; q doubled by an output gate; q/k norms for Qwen3; biases and sinks for gpt-oss)."""
     h, hd = int(m["hidden_size"]), int(m["head_dim"])
-    q, kv = int(m["num_attention_heads"]) * hd, int(m["num_key_value_heads"]) * hd
-    attn = h * q + 2 * h * kv + q * h + (2 * hd if m.get("qk_norm") else 0)
-    return attn + 3 * h * int(m["intermediate_size"]) + 2 * h
+    heads = int(m["num_attention_heads"])
+    q, kv = heads * hd, int(m["num_key_value_heads"]) * hd
+    q_out = 2 * q if m.get("attn_output_gate") else q
+    params = h * q_out + 2 * h * kv + q * h + (2 * hd if m.get("qk_norm") else 0)
+    if m.get("attention_bias"):
+        params += q_out + 2 * kv + h
+    return params + (heads if m.get("model_type") == "gpt_oss" else 0)
+
+
+def _linear_dims(m: dict[str, Any]) -> tuple[int, int, int, int, int]:
+    """Gated DeltaNet shape: (convolution channels, kernel, value heads, key head dim, value head dim)."""
+    nk, nv = int(m["linear_num_key_heads"]), int(m["linear_num_value_heads"])
+    dk, dv = int(m["linear_key_head_dim"]), int(m["linear_value_head_dim"])
+    return 2 * nk * dk + nv * dv, int(m.get("linear_conv_kernel_dim") or 4), nv, dk, dv
+
+
+def _linear_attention_params(m: dict[str, Any]) -> int:
+    """Gated DeltaNet: in_proj_qkv, in_proj_z, in_proj_b/a, the depthwise convolution, dt_bias, A_log, the gated
+    norm and out_proj."""
+    h = int(m["hidden_size"])
+    conv, kernel, nv, _, dv = _linear_dims(m)
+    return h * conv + 2 * h * nv * dv + 2 * h * nv + conv * kernel + 2 * nv + dv
+
+
+def _mlp_params(m: dict[str, Any]) -> int:
+    """A gated MLP, or a mixture of experts: every expert (`moe_intermediate_size`, else `intermediate_size` wide),
+    the router, a shared expert with its gate (Qwen3.5-MoE, Qwen3-Next), biases for gpt-oss."""
+    h = int(m["hidden_size"])
+    experts = int(m.get("num_experts") or m.get("num_local_experts") or 0)
+    if not experts:
+        return 3 * h * int(m["intermediate_size"])
+    width = int(m.get("moe_intermediate_size") or m["intermediate_size"])
+    params = experts * 3 * h * width + h * experts
+    if m.get("model_type") == "gpt_oss":
+        params += experts * (2 * width + h) + experts
+    shared = int(m.get("shared_expert_intermediate_size") or 0)
+    return params + (3 * h * shared + h if shared else 0)
+
+
+def _layer_params(m: dict[str, Any], kind: str = "full_attention") -> int:
+    """One decoder layer: its token mixer, its MLP, two RMSNorms."""
+    mixer = _linear_attention_params(m) if kind == "linear_attention" else _attention_params(m)
+    return mixer + _mlp_params(m) + 2 * int(m["hidden_size"])
 
 
 def target_params(m: dict[str, Any]) -> int:
-    """Parameters of a dense decoder LM: embeddings (+ an untied head), layers, final norm."""
+    """Parameters of a decoder LM: embeddings (+ an untied head), layers, final norm."""
     h, v = int(m["hidden_size"]), int(m["vocab_size"])
     heads = v * h * (1 if m.get("tie_word_embeddings") else 2)
-    return heads + int(m["num_hidden_layers"]) * _layer_params(m) + h
+    return heads + sum(_layer_params(m, kind) for kind in layer_types(m)) + h
 
 
 def draft_params(m: dict[str, Any]) -> int:
@@ -84,8 +183,19 @@ def draft_params(m: dict[str, Any]) -> int:
 
 
 def kv_bytes_per_row(m: dict[str, Any], dtype_bytes: int) -> int:
-    """Keys + values of one position over all layers."""
-    return 2 * int(m["num_hidden_layers"]) * int(m["num_key_value_heads"]) * int(m["head_dim"]) * dtype_bytes
+    """Keys + values of one position over the layers that keep them (not Gated DeltaNet layers)."""
+    attention = sum(kind != "linear_attention" for kind in layer_types(m))
+    return 2 * attention * int(m["num_key_value_heads"]) * int(m["head_dim"]) * dtype_bytes
+
+
+def state_bytes_per_slot(m: dict[str, Any], dtype_bytes: int) -> int:
+    """A slot's fixed-size state in Gated DeltaNet layers: the convolution window (kernel - 1 inputs, model dtype)
+    and the recurrent state (value heads x key dim x value dim, float32); 0 without such layers."""
+    linear = sum(kind == "linear_attention" for kind in layer_types(m))
+    if not linear:
+        return 0
+    conv, kernel, nv, dk, dv = _linear_dims(m)
+    return linear * (conv * (kernel - 1) * dtype_bytes + nv * dk * dv * 4)
 
 
 def memory_estimate(
@@ -99,7 +209,10 @@ def memory_estimate(
 ) -> dict[str, Any]:
     """GPU memory the native backend allocates up front, in bytes: weights, and the slot KV caches it
     preallocates (dflash_core.loading): the target's `max_running_requests x (max_model_len + B + 1)` rows and
-    the draft's one row more per slot. Activations, the CUDA context and allocator slack come on top."""
+    the draft's one row more per slot; for a hybrid target, KV rows of its full-attention layers only and each
+    slot's Gated DeltaNet state (`target_state_bytes`). Activations, the CUDA context and allocator slack come on
+    top. A target the native backend does not run (gpt-oss: sliding-window attention) runs on hf, whose caches grow
+    with each request: its KV figure is then the most they reach, every slot at `max_model_len`."""
     t = _model_shape(target)
     d = _model_shape(draft) if draft else None
     nbytes = DTYPE_BYTES.get(dtype)
@@ -122,8 +235,10 @@ def memory_estimate(
     }
     out["weights_bytes"] = (out["target_params"] + out["draft_params"]) * nbytes
     out["target_kv_bytes"] = kv_bytes_per_row(t, nbytes) * rows * max_running_requests
+    out["target_state_bytes"] = state_bytes_per_slot(t, nbytes) * max_running_requests
     out["draft_kv_bytes"] = kv_bytes_per_row(d, nbytes) * (rows + 1) * max_running_requests if d else 0
-    out["total_bytes"] = out["weights_bytes"] + out["target_kv_bytes"] + out["draft_kv_bytes"]
+    out["total_bytes"] = (out["weights_bytes"] + out["target_kv_bytes"] + out["target_state_bytes"]
+                          + out["draft_kv_bytes"])
     return out
 
 
@@ -155,6 +270,8 @@ def format_memory(rows: list[dict[str, Any]]) -> str:
     lines = [head]
     for r in rows:
         slots = f"{r['max_running_requests']} x {r['target_kv_rows']:,} rows"
+        if r.get("target_state_bytes"):
+            slots += f"; + {r['target_state_bytes'] / GB:.2f} GB recurrent state"
         lines.append(
             f"| `{Path(r['preset']).name}` | {r['target']} ({r['target_params'] / 1e9:.2f} B params) + "
             f"{r['draft'] or 'no draft'} ({r['draft_params'] / 1e9:.2f} B), {r['dtype']} | "

@@ -23,7 +23,8 @@ class DFlashDrafter(Drafter):
 
     With `max_slots` the drafts of all requests run as ONE batched forward over a slot KV cache whose row is the
     request's slot (the engine's SlotPool hands it out with the target's); without it, one forward per request
-    over a growing per-request cache.
+    over a growing per-request cache. With a `window` N the draft sees only the last N context positions and
+    either cache holds at most N of them per request. A draft with a reduced vocabulary proposes target ids.
     """
 
     def __init__(
@@ -33,22 +34,26 @@ class DFlashDrafter(Drafter):
         block_size: int | None = None,
         max_slots: int | None = None,
         max_len: int | None = None,
+        window: int | None = None,
     ) -> None:
+        if window is not None and window < 1:
+            raise ValueError(f"draft window must be >= 1, got {window}")
         self.draft = draft
         self.target = target
         self.block_size = int(block_size or draft.block_size)
         self.mask_token_id = draft.mask_token_id
         self.slots: SlotDraftCache | None = None
         self.max_slots = max_slots or None
+        self.window = window
         if max_slots:
-            self.slots = SlotDraftCache(draft.cfg, max_slots, int(max_len), target.device, target.dtype)
+            self.slots = SlotDraftCache(draft.cfg, max_slots, int(max_len), target.device, target.dtype, window)
 
     def new_state(self, slot: int, prompt_token_ids: list[int]) -> _DFlashState:
         if self.slots is not None:
             if not 0 <= slot < self.slots.max_slots:
                 raise ValueError(f"slot {slot} outside the draft cache's {self.slots.max_slots} slots")
             return _DFlashState(slot=slot)
-        return _DFlashState(slot=slot, cache=DraftKVCache(len(self.draft.layers)))
+        return _DFlashState(slot=slot, cache=DraftKVCache(len(self.draft.layers), self.window))
 
     def extend_context(self, state: _DFlashState, features: torch.Tensor) -> None:
         state.pending.append(features)
@@ -66,6 +71,10 @@ class DFlashDrafter(Drafter):
         b = len(items)
         width = max(n for *_, n in items) + 1
         pending = [torch.cat(st.pending, dim=0) if st.pending else None for st, *_ in items]
+        skipped = 0  # context rows older than the window: never seen, so not computed (one request when per-request)
+        if self.window is not None:
+            skipped = sum(max(0, f.shape[0] - self.window) for f in pending if f is not None)
+            pending = [None if f is None else f[-self.window :] for f in pending]
         n_ctx = max((0 if f is None else f.shape[0]) for f in pending)
         ctx = ctx_pos = None
         positions = torch.tensor([p for _, _, p, _ in items], device=device)
@@ -73,7 +82,7 @@ class DFlashDrafter(Drafter):
             feat_dim = next(f for f in pending if f is not None).shape[1]
             ctx = torch.zeros(b, n_ctx, feat_dim, device=device, dtype=dtype)
             # padding rows go to the slot cache's scratch column, which no query sees
-            scratch = self.slots.scratch if self.slots is not None else 0
+            scratch = self.slots.pad_position if self.slots is not None else 0
             ctx_pos = torch.full((b, n_ctx), scratch, device=device, dtype=torch.long)
             for r, f in enumerate(pending):
                 if f is not None:
@@ -86,14 +95,19 @@ class DFlashDrafter(Drafter):
         if self.slots is not None:
             cache = self.slots.batch([st.slot for st, *_ in items], ctx_pos, int(positions.max()))
             lens = dict(ctx_len=positions, block_len=torch.tensor([n + 1 for *_, n in items], device=device))
+            if self.window is not None:
+                lens["ctx_start"] = positions - self.window
         else:
             cache, lens = items[0][0].cache, {}
         # The slot cache is written by position (a retry rewrites the same rows); a per-request cache appends.
         rollback = cache.length if self.slots is None else None
         try:
+            if rollback is not None and skipped:
+                cache.skip(skipped)
             emb = self.draft.embed(block, self.target.embed_weight)
             hidden = self.draft(emb, block_pos, ctx, ctx_pos, cache, **lens)
-            best = self.draft.logits(hidden[:, 1:], self.target.lm_head_weight).argmax(dim=-1).tolist()
+            logits = self.draft.logits(hidden[:, 1:], self.target.lm_head_weight)
+            best = self.draft.target_ids(logits.argmax(dim=-1)).tolist()
         except BaseException:
             if rollback is not None:
                 cache.length = rollback

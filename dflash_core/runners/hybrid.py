@@ -1,4 +1,4 @@
-"""The native runner for hybrid targets (Qwen3.5, Qwen3.5-MoE): Gated DeltaNet layers beside full attention.
+"""The native runner for hybrid targets (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): Gated DeltaNet beside full attention.
 
 Three of every four layers are Gated DeltaNet (linear attention): a short causal convolution over the projected
 q/k/v channels, then a gated delta-rule recurrence whose state is a `[heads, d_k, d_v]` matrix per request. Each
@@ -30,7 +30,7 @@ from torch import nn
 from dflash_core.layers import apply_rope
 from dflash_core.runners.native import Batch, NativeTarget, Rope, Slot
 
-HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 _L2_EPS = 1e-6
 
 
@@ -179,10 +179,9 @@ class HybridTarget(NativeTarget):
     def _linear(self, j: int, la: nn.Module, x: torch.Tensor, batch: Batch) -> torch.Tensor:
         """A Gated DeltaNet layer over the rows' windows and states; records each row for rollback."""
         b, n = batch.b, batch.n
-        mixed = la.in_proj_qkv(x).transpose(1, 2)  # [b, C, n]
-        z = la.in_proj_z(x).reshape(b, n, -1, la.head_v_dim)
-        beta = la.in_proj_b(x).sigmoid()
-        g = -la.A_log.float().exp() * F.softplus(la.in_proj_a(x).float() + la.dt_bias)
+        mixed, z, b_proj, a_proj = self._project(la, x)  # [b, C, n], [b, n, Hv, dv], [b, n, Hv], [b, n, Hv]
+        beta = b_proj.sigmoid()
+        g = -la.A_log.float().exp() * F.softplus(a_proj.float() + la.dt_bias)
         window = self.conv_state[j, batch.slots]  # [b, C, K-1]
         full = torch.cat([window, mixed.to(window.dtype)], dim=-1)
         weight = la.conv1d.weight
@@ -213,6 +212,16 @@ class HybridTarget(NativeTarget):
             cache.state_end = cache.start + m
         core = la.norm(core.reshape(-1, la.head_v_dim), z.reshape(-1, la.head_v_dim)).reshape(b, n, -1)
         return la.out_proj(core)
+
+    def _project(self, la: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The layer's convolution input [b, C, n] (q, k, v channels), output gate z and the b / a projections."""
+        b, n = x.shape[:2]
+        if self.config.model_type == "qwen3_next":  # fused projections with per-key-head grouping
+            q, k, v, z, b_proj, a_proj = la.fix_query_key_value_ordering(la.in_proj_qkvz(x), la.in_proj_ba(x))
+            mixed = torch.cat([t.reshape(b, n, -1) for t in (q, k, v)], dim=-1).transpose(1, 2)
+            return mixed, z, b_proj, a_proj
+        z = la.in_proj_z(x).reshape(b, n, -1, la.head_v_dim)
+        return la.in_proj_qkv(x).transpose(1, 2), z, la.in_proj_b(x), la.in_proj_a(x)
 
     def _recurrent(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -25,16 +25,19 @@ from dflash_core.train.responses import generate_responses
 from dflash_core.train.target import (
     MASK_NAMES,
     draft_config,
+    draft_rope,
     layer_ids_for,
+    mlp_width,
     resolve_mask_token,
+    rope_parameters,
     rope_theta,
     target_layers,
 )
 
 __all__ = [
     "CHECKPOINT_DIR", "DATA_FILE", "MASK_NAMES", "Example", "UsageError", "atomic_dir_write", "block_loss",
-    "build_parser", "check_output", "context_features", "distinct_ngram_ratio", "draft_config", "encode_rows",
-    "evaluate", "generate_responses", "layer_ids_for", "load_eval_prompts", "load_target_and_tokenizer", "main",
-    "make_block_batch", "parse_args", "read_rows", "resolve_mask_token", "rope_theta", "save_checkpoint",
-    "save_final", "share_modes", "target_layers", "train", "validate_args",
+    "build_parser", "check_output", "context_features", "distinct_ngram_ratio", "draft_config", "draft_rope",
+    "encode_rows", "evaluate", "generate_responses", "layer_ids_for", "load_eval_prompts", "load_target_and_tokenizer",
+    "main", "make_block_batch", "mlp_width", "parse_args", "read_rows", "resolve_mask_token", "rope_parameters",
+    "rope_theta", "save_checkpoint", "save_final", "share_modes", "target_layers", "train", "validate_args",
 ]

@@ -10,7 +10,11 @@ import torch.nn.functional as F
 
 
 def context_features(model: Any, ids: torch.Tensor, att: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
-    """Concatenated hidden states `output_hidden_states[i+1]` of the chosen layers: [b, s, len(ids)*H]."""
+    """Concatenated hidden states `output_hidden_states[i+1]` of the chosen layers: [b, s, len(ids)*H].
+
+    The same for every family (dense, MoE, Gated DeltaNet hybrids, sliding-window attention): rows are right-padded,
+    so a row's real positions never see its padding (causal attention; recurrences run left to right), and the
+    features equal what the serving runners hand the draft (tests/test_train_families.py checks each family)."""
     out = model(input_ids=ids, attention_mask=att, output_hidden_states=True, use_cache=False)
     hs = out.hidden_states
     return torch.cat([hs[i + 1] for i in layer_ids], dim=-1)

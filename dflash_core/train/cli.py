@@ -5,6 +5,11 @@ anchor positions a are drawn in the response; each block is [x_a, mask x (B-1)] 
 see the target's context features at positions < a plus their own block (bidirectionally); the loss is cross-entropy
 against x_{a+k} at block rows k = 1..B-1, weighted exp(-(k-1)/gamma). The target's embedding and lm_head are used
 frozen. The output folder is a z-lab-format draft (config.json + model.safetensors) that dflash_core loads unchanged.
+
+Targets: any transformers causal LM: dense (Qwen3, Llama, Qwen2), MoE (Qwen3-MoE, gpt-oss) and hybrid Gated DeltaNet
+(Qwen3.5, Qwen3.5-MoE, Qwen3-Next) alike; the draft reads only the target's hidden states, embeddings and head. The
+draft (Qwen3-style, full rotary) copies the target's width, heads, vocabulary, RoPE base and RoPE type (a type the
+draft does not implement falls back to the default RoPE with the target's base, with a note on stderr).
 """
 
 from __future__ import annotations
@@ -42,12 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy responses, >0 = sampled")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling for generated responses")
     g.add_argument("--cache-hidden", action="store_true",
-                   help="compute the chosen target layers' hidden states once and keep them in memory (fp16) "
+                   help="compute the chosen target layers' hidden states once and keep them in memory (fp16; "
+                        "bf16 for a sequence with values beyond fp16's range) "
                         "instead of running the target in every step")
     g = p.add_argument_group("draft architecture")
     g.add_argument("--block-size", type=int, default=16, help="block size B (>= 2)")
     g.add_argument("--num-layers", type=int, default=1, help="draft decoder layers")
-    g.add_argument("--intermediate-size", type=int, default=None, help="draft MLP width (default: the target's)")
+    g.add_argument("--intermediate-size", type=int, default=None,
+                   help="draft MLP width (default: the target's intermediate_size; for an MoE target whose config "
+                        "has none, e.g. Qwen3.5-MoE, the width a token activates: moe_intermediate_size x "
+                        "num_experts_per_tok + shared_expert_intermediate_size; else 3 x hidden_size)")
     g.add_argument("--target-layer-ids", default=None,
                    help="comma-separated target layer ids for the context features (default: z-lab rule, "
                         "num-layers ids spread over 1..L-3)")

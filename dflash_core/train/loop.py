@@ -61,11 +61,21 @@ def training_sequences(examples: list[Example], max_seq_len: int) -> tuple[list[
     return seqs, starts
 
 
+FP16_MAX = torch.finfo(torch.float16).max
+
+
+def compact(feats: torch.Tensor) -> torch.Tensor:
+    """Features in fp16, or in bf16 when a value is beyond fp16's range (the massive activations some targets'
+    hidden states carry would become inf)."""
+    return feats.to(torch.float16 if feats.abs().max() <= FP16_MAX else torch.bfloat16)
+
+
 @torch.no_grad()
 def cache_features(
     model: Any, seqs: list[torch.Tensor], layer_ids: list[int], pad_id: int, device: torch.device
 ) -> list[torch.Tensor]:
-    """Every sequence's context features, computed once (16 sequences a forward) and kept on the CPU in fp16."""
+    """Every sequence's context features, computed once (16 sequences a forward) and kept on the CPU in fp16
+    (`compact`)."""
     cache: list[torch.Tensor] = []
     for i in tqdm(range(0, len(seqs), 16), desc="features", dynamic_ncols=True, mininterval=2):
         chunk = seqs[i : i + 16]
@@ -75,7 +85,7 @@ def cache_features(
         for r, s in enumerate(chunk):
             ids[r, : len(s)], att[r, : len(s)] = s, 1
         feats = context_features(model, ids.to(device), att.to(device), layer_ids)
-        cache.extend(feats[r, : len(s)].to(torch.float16).cpu() for r, s in enumerate(chunk))
+        cache.extend(compact(feats[r, : len(s)]).cpu() for r, s in enumerate(chunk))
     return cache
 
 
@@ -101,8 +111,10 @@ def train(args: argparse.Namespace, rows: list[dict[str, Any]], model: Any, tok:
             tok.save_pretrained(out / "target_resized")
             share_modes(out / "target_resized")
     layer_ids = layer_ids_for(args.target_layer_ids, L, args.num_layers)
-    cfg = draft_config(model, num_layers=args.num_layers, intermediate_size=args.intermediate_size,
-                       block_size=args.block_size, mask_id=mask_id, layer_ids=layer_ids)
+    cfg, notes = draft_config(model, num_layers=args.num_layers, intermediate_size=args.intermediate_size,
+                              block_size=args.block_size, mask_id=mask_id, layer_ids=layer_ids)
+    for line in notes:
+        print(f"dflash-train: {line}", file=sys.stderr)
     eos_ids = eos_token_ids(model, tok)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
 

@@ -1,11 +1,18 @@
-"""What the draft takes from the target: its layer count, RoPE base, a mask token, the feature layers and the
-draft's config."""
+"""What the draft takes from the target: its layer count, RoPE, MLP width, a mask token, the feature layers and the
+draft's config.
+
+Every target family transformers loads as a causal LM works the same way: dense (Qwen3, Llama, Qwen2), MoE
+(Qwen3-MoE, gpt-oss), and hybrids with Gated DeltaNet layers (Qwen3.5, Qwen3.5-MoE, Qwen3-Next). The draft reads
+only the target's residual stream (hidden states), embeddings and head, so the kind of token mixer or MLP a target
+layer has does not matter; what the draft copies from the target's (text) config is its width, heads, vocabulary,
+RoPE base and type (`draft_rope`) and MLP width (`mlp_width`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from dflash_core.config import DraftConfig, build_target_layer_ids
+from dflash_core.layers import rope_inv_freq
 from dflash_core.train.data import UsageError
 
 MASK_NAMES = ("<|mask|>", "<mask>", "[MASK]", "<|MASK|>")
@@ -16,10 +23,61 @@ def target_layers(model: Any) -> int:
     return int(model.config.get_text_config().num_hidden_layers)
 
 
+def rope_parameters(cfg: Any) -> dict[str, Any]:
+    """The target's RoPE parameters (`rope_parameters`, or `rope_scaling` on older configs); a config with one set
+    per attention type (`{"full_attention": {...}, "sliding_attention": {...}}`) gives its full-attention set."""
+    params = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+    if isinstance(params.get("full_attention"), dict):
+        params = dict(params["full_attention"])
+    return params
+
+
 def rope_theta(cfg: Any) -> float:
     """The target's RoPE base (`rope_theta`, or `rope_parameters["rope_theta"]` on newer configs)."""
-    params = getattr(cfg, "rope_parameters", None) or {}
-    return float(getattr(cfg, "rope_theta", None) or params.get("rope_theta", 10000.0))
+    return float(getattr(cfg, "rope_theta", None) or rope_parameters(cfg).get("rope_theta", 10000.0))
+
+
+# what the draft's RoPE does not take from the target's parameters: the base is its own field, and the draft
+# rotates every dimension of a head (multimodal sections coincide with 1-D RoPE on text positions)
+_NOT_SCALING = ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
+
+
+def draft_rope(cfg: Any, head_dim: int) -> tuple[float, dict[str, Any] | None, str | None]:
+    """(theta, rope_scaling, note) of the draft: the target's base and RoPE type, over the whole head (the draft is
+    Qwen3-style, full rotary, whatever the target's `partial_rotary_factor`). A RoPE type the draft does not
+    implement (`dflash_core.layers.rope_inv_freq` refuses it) falls back to the default RoPE with the target's
+    base, and the note says so."""
+    theta = rope_theta(cfg)
+    params = rope_parameters(cfg)
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind == "default":
+        return theta, None, None
+    scaling = {k: v for k, v in params.items() if k not in _NOT_SCALING}
+    scaling["rope_type"] = kind
+    try:
+        rope_inv_freq(head_dim, theta, scaling)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        return theta, None, (f"the draft does not support the target's RoPE type {kind!r} ({exc}): it uses the "
+                             f"default RoPE with the target's theta {theta:g}")
+    return theta, scaling, None
+
+
+def mlp_width(cfg: Any) -> tuple[int, str | None]:
+    """(draft MLP width, note): the target's `intermediate_size` when its config has one (for gpt-oss that is an
+    expert's width; no note); else, for MoE configs without one (Qwen3.5-MoE), the width a token's MLP activates:
+    `moe_intermediate_size * num_experts_per_tok + shared_expert_intermediate_size`; else 3 x `hidden_size`. The
+    note says which fallback was taken."""
+    if getattr(cfg, "intermediate_size", None):
+        return int(cfg.intermediate_size), None
+    per_expert, top_k = getattr(cfg, "moe_intermediate_size", None), getattr(cfg, "num_experts_per_tok", None)
+    if per_expert and top_k:
+        shared = int(getattr(cfg, "shared_expert_intermediate_size", None) or 0)
+        width = int(per_expert) * int(top_k) + shared
+        return width, (f"draft MLP width {width}: the target has no intermediate_size, so its active MoE width, "
+                       f"moe_intermediate_size {per_expert} x num_experts_per_tok {top_k} + "
+                       f"shared_expert_intermediate_size {shared}")
+    width = 3 * int(cfg.hidden_size)
+    return width, f"draft MLP width {width}: 3 x the target's hidden_size (its config has no MLP width)"
 
 
 def resolve_mask_token(tok: Any, model: Any, requested: int | None) -> tuple[int, str | None]:
@@ -58,17 +116,28 @@ def layer_ids_for(spec: str | None, num_layers: int, num_draft_layers: int) -> l
 
 def draft_config(
     model: Any, *, num_layers: int, intermediate_size: int | None, block_size: int, mask_id: int, layer_ids: list[int]
-) -> DraftConfig:
-    """The draft's config: the target's width, heads, vocabulary and RoPE, with the draft's own depth and block."""
+) -> tuple[DraftConfig, list[str]]:
+    """(the draft's config, notes to log): the target's width, heads, vocabulary, RoPE and MLP width (`mlp_width`,
+    unless `intermediate_size` is given), with the draft's own depth and block. Notes say what was not copied as is."""
     tcfg = model.config.get_text_config()
     H = int(tcfg.hidden_size)
+    heads = int(tcfg.num_attention_heads)
+    head_dim = int(getattr(tcfg, "head_dim", None) or H // heads)
     vocab = int(model.get_input_embeddings().weight.shape[0])
-    return DraftConfig(
-        hidden_size=H, intermediate_size=int(intermediate_size or tcfg.intermediate_size),
-        num_hidden_layers=num_layers, num_attention_heads=int(tcfg.num_attention_heads),
-        num_key_value_heads=int(getattr(tcfg, "num_key_value_heads", None) or tcfg.num_attention_heads),
-        head_dim=int(getattr(tcfg, "head_dim", None) or H // tcfg.num_attention_heads), vocab_size=vocab,
-        num_target_layers=target_layers(model), block_size=block_size, mask_token_id=mask_id,
-        target_layer_ids=layer_ids, rms_norm_eps=float(getattr(tcfg, "rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta(tcfg), max_position_embeddings=int(getattr(tcfg, "max_position_embeddings", 4096)),
+    notes: list[str] = []
+    if intermediate_size is None:
+        intermediate_size, mlp_note = mlp_width(tcfg)
+        if mlp_note:
+            notes.append(mlp_note)
+    theta, scaling, rope_note = draft_rope(tcfg, head_dim)
+    if rope_note:
+        notes.append(rope_note)
+    cfg = DraftConfig(
+        hidden_size=H, intermediate_size=int(intermediate_size), num_hidden_layers=num_layers,
+        num_attention_heads=heads, num_key_value_heads=int(getattr(tcfg, "num_key_value_heads", None) or heads),
+        head_dim=head_dim, vocab_size=vocab, num_target_layers=target_layers(model), block_size=block_size,
+        mask_token_id=mask_id, target_layer_ids=layer_ids, rms_norm_eps=float(getattr(tcfg, "rms_norm_eps", 1e-6)),
+        rope_theta=theta, rope_scaling=scaling,
+        max_position_embeddings=int(getattr(tcfg, "max_position_embeddings", None) or 4096),
     )
+    return cfg, notes
