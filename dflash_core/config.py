@@ -209,8 +209,9 @@ class EngineConfig:
     device: str = _setting("auto", "auto, cpu, cuda, cuda:N")
     dtype: str = _setting("auto", "auto, float32, bfloat16, float16")
     backend: str = _setting(
-        "auto", "target forward: native (batched, slot KV cache; Qwen3/Llama/Qwen2), hf (transformers), "
-        "auto (native where supported)")
+        "auto", "target forward: native (batched, slot caches; Qwen3, Llama, Qwen2, Qwen3-MoE and the hybrids "
+        "Qwen3.5, Qwen3.5-MoE, Qwen3-Next), hf (transformers, one request per forward; e.g. gpt-oss), auto (native "
+        "where it runs the target)")
     block_size: int | None = _setting(None, "draft block size (default: the draft's)")
     speculative: bool = _setting(
         True, "DFlash speculative decoding; --no-speculative serves the target autoregressively")
@@ -218,7 +219,7 @@ class EngineConfig:
     max_model_len: int | None = _setting(None, "context length limit (default: the model's)")
     draft_window: int | None = _setting(
         None, "the draft attends only to the last N target-context positions, which bounds its KV cache; outputs "
-        "are unchanged, acceptance may drop (default: all positions)")
+        "are unchanged, acceptance changes (default: all positions)")
 
     def __post_init__(self) -> None:
         self.validate()

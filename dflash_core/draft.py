@@ -271,8 +271,9 @@ class DFlashDraft(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [b, n, rotary_dim] for integer positions [b, n], times the RoPE type's attention scaling.
 
-        `last` [b] is each row's last position in this forward: LongRoPE switches to its long frequencies once the
-        sequence is longer than `original_max_position_embeddings`, as transformers does per forward.
+        `last` [b] is each row's last position in this forward: LongRoPE (and dynamic NTK) switch to their long
+        frequencies once the sequence is longer than `original_max_position_embeddings` (for dynamic NTK,
+        `max_position_embeddings`), as transformers does per forward.
         """
         if self._inv_freq.device != positions.device:
             self._inv_freq = self._inv_freq.to(positions.device)

@@ -11,10 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-# "dynamic" (dynamic NTK) recomputes its frequencies from the length of each forward in transformers: keys cached
-# under earlier lengths cannot follow, so a draft with it is refused rather than approximated.
-REFUSED_ROPE_TYPES = {"dynamic": "its frequencies change with every forward's sequence length, which cached draft "
-                                 "keys cannot follow; use yarn, linear or longrope"}
+# Types no draft can use (none today; the table stays so that a future type can be refused with its reason).
+REFUSED_ROPE_TYPES: dict[str, str] = {}
 
 
 class RMSNorm(nn.Module):
@@ -98,6 +96,15 @@ def rope_inv_freq(
     config.num_attention_heads = num_attention_heads or 1
     config.max_position_embeddings = max_position_embeddings
     init = ROPE_INIT_FUNCTIONS[kind]
+    if kind == "dynamic":
+        # transformers keeps the base frequencies up to max_position_embeddings and re-derives longer sequences'
+        # from each forward's length (a state shared by every sequence; cached keys keep older rotations). Here:
+        # the base set up to max_position_embeddings, as transformers, and past it ONE set for every request, the
+        # one at `factor x max_position_embeddings`, as vLLM's dynamic NTK (exactness is unaffected either way).
+        factor = float(config.rope_parameters.get("factor", 1.0))
+        base, scaling_factor = init(config, None)
+        long, _ = init(config, None, seq_len=int(max_position_embeddings * factor))
+        return RopeFrequencies(base.float(), float(scaling_factor), long.float(), max_position_embeddings)
     inv_freq, scaling_factor = init(config, None)
     if kind != "longrope":
         return RopeFrequencies(inv_freq.float(), float(scaling_factor))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -77,11 +77,17 @@ class LLM:
     """Target + DFlash draft loaded once; generates for lists of prompts.
 
     Keyword arguments are `EngineConfig` fields: tokenizer, device, dtype, backend, block_size, speculative,
-    max_running_requests (requests decoded at once; more wait for a slot), max_model_len. One call runs at a
+    max_running_requests (requests decoded at once; more wait for a slot), max_model_len, draft_window.
+    Conversations are rendered as `apply_chat_template` renders them: special-token text inside message content
+    becomes special tokens (the caller is trusted; the server keeps client text plain instead). One call runs at a
     time: while a `stream` is open (not exhausted or closed), another call raises RuntimeError. Not thread-safe.
     """
 
     def __init__(self, target: str | None = None, draft: str | None = None, **config: Any) -> None:
+        unknown = sorted(set(config) - {f.name for f in fields(EngineConfig)})
+        if unknown:
+            known = ", ".join(f.name for f in fields(EngineConfig) if f.name not in ("target", "draft"))
+            raise TypeError(f"LLM() got unexpected keyword argument(s) {', '.join(unknown)}; settings: {known}")
         self.config = EngineConfig(target=target, draft=draft, **config)
         self.models: LoadedModels = load_models(self.config)
         self.engine = self.models.engine
@@ -99,16 +105,21 @@ class LLM:
                              "token ids; got a single message dict")
         return as_token_ids(prompt)
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None) -> list[Generation]:
-        """Every prompt's output, in prompt order (an empty list for no prompts). A request the engine fails ends
-        with finish_reason "error" and its message in `error`; it does not raise."""
+    def generate(
+        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[Generation]:
+        """Every prompt's output, in prompt order (an empty list for no prompts); `params` is one SamplingParams
+        for all or one per prompt. A request the engine fails ends with finish_reason "error" and its message in
+        `error`; it does not raise."""
         batch = self._batch(prompts)
         outs = [Generation(ids) for ids in batch]
         for _ in self._chunks(batch, params, outs):
             pass  # _chunks fills `outs`
         return outs
 
-    def stream(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None) -> Iterator[StreamChunk]:
+    def stream(
+        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> Iterator[StreamChunk]:
         """Each step's new text per prompt as it is accepted; the last chunk of a prompt has its finish reason.
         Closing the iterator early (`break` in a `with contextlib.closing(...)`, or `.close()`) aborts what still
         runs."""
@@ -120,18 +131,25 @@ class LLM:
         return [self.encode(p) for p in items]
 
     def _chunks(
-        self, batch: list[list[int]], params: SamplingParams | None, outs: list[Generation]
+        self, batch: list[list[int]], params: SamplingParams | Sequence[SamplingParams] | None, outs: list[Generation]
     ) -> Iterator[StreamChunk]:
         if self._busy:  # its steps would advance (and swallow) the open stream's requests
             raise RuntimeError("this LLM still has an open stream: exhaust it or close() it first")
         self._busy = True
         try:
-            yield from self._steps(batch, params or SamplingParams(), outs)
+            per_prompt = [params or SamplingParams()] * len(batch) if not isinstance(params, Sequence) else params
+            if len(per_prompt) != len(batch) or not all(isinstance(p, SamplingParams) for p in per_prompt):
+                raise ValueError(f"params: one SamplingParams, or one per prompt ({len(batch)})")
+            for p in per_prompt:
+                p.validate()  # before anything reads them (the engine validates again when it adds them)
+            yield from self._steps(batch, list(per_prompt), outs)
         finally:
             self._busy = False
 
-    def _steps(self, batch: list[list[int]], params: SamplingParams, outs: list[Generation]) -> Iterator[StreamChunk]:
-        texts = [OutputText(self.tokenizer, ids, list(params.stop)) for ids in batch]
+    def _steps(
+        self, batch: list[list[int]], params: list[SamplingParams], outs: list[Generation]
+    ) -> Iterator[StreamChunk]:
+        texts = [OutputText(self.tokenizer, ids, list(p.stop)) for ids, p in zip(batch, params)]
         for req, out in iter_steps(self.engine, batch, params):
             gen = outs[req.index]
             if gen.finish_reason is not None:  # already ended by a stop string; this is the engine's abort

@@ -49,10 +49,13 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty strings")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or any(
+                isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be a list of non-negative token ids")
+        if not isinstance(self.stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop must be a list of non-empty strings")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
 
 def resolve_seed(seed: int | None) -> int:

@@ -300,7 +300,8 @@ def test_memory_estimate_of_hybrid_and_moe_presets(tmp_path: Path, capsys: pytes
     rows = 8192 + 16 + 1
     assert est["target_params"] == 8_953_803_264  # Qwen3_5ForCausalLM of the published text config, meta device
     assert est["target_kv_bytes"] == 2 * 8 * 4 * 256 * 2 * rows * 8  # 8 of 32 layers keep K and V
-    assert est["target_state_bytes"] == 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4) * 8  # 24 DeltaNet layers, 8 slots
+    # 24 DeltaNet layers, 8 slots, each state twice (live, and the copy kept for rollback)
+    assert est["target_state_bytes"] == 2 * 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4) * 8
     assert bench.memory_from_preset(REPO / "configs" / "qwen3.5-27b.yaml")["target_params"] == 26_895_998_464
     oss = bench.memory_from_preset(REPO / "configs" / "gpt-oss-20b.yaml")
     assert oss["target_params"] == 20_914_757_184 and oss["target_state_bytes"] == 0  # every expert resident

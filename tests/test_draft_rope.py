@@ -113,9 +113,20 @@ def test_unknown_rope_type_names_the_field(rope: dict, field: str) -> None:
         draft_config(rope)
 
 
-def test_dynamic_rope_is_refused_clearly() -> None:
-    with pytest.raises(ValueError, match=r"rope_scaling\.type.*'dynamic' is not supported"):
-        draft_config({"rope_scaling": {"type": "dynamic", "factor": 2.0}})
+def test_dynamic_rope_is_the_base_set_within_the_length_and_one_scaled_set_past_it() -> None:
+    """Dynamic NTK: within max_position_embeddings L the base frequencies (as transformers); past it the set
+    transformers computes for a sequence of S = factor x L (base stretched by (factor * S / L - (factor - 1)) **
+    (d / (d - 2))), the same for every request, as vLLM does."""
+    cfg = draft_config({"rope_scaling": {"type": "dynamic", "factor": 2.0}, "rope_theta": 10_000.0})
+    d = cfg.head_dim
+    freqs = lambda base: 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))  # noqa: E731
+    draft = DFlashDraft(cfg)
+    torch.testing.assert_close(draft._rope.inv_freq, freqs(10_000.0))
+    torch.testing.assert_close(draft._rope.long_inv_freq, freqs(10_000.0 * (2.0 * 2.0 - 1.0) ** (d / (d - 2))))
+    pos = torch.tensor([[MAX_POS - 1], [MAX_POS]])
+    cos, _ = draft.rope(pos, torch.float32, pos[:, 0])
+    torch.testing.assert_close(cos[0, 0, : d // 2], torch.cos((MAX_POS - 1) * freqs(10_000.0)))
+    torch.testing.assert_close(cos[1, 0, : d // 2], torch.cos(MAX_POS * draft._rope.long_inv_freq))
 
 
 def test_yarn_draft_decodes_exactly(target_dir, tmp_path) -> None:  # noqa: F811 - the fixture

@@ -104,7 +104,8 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture(scope="module", params=[("qwen3", "hf"), ("llama", "native")], ids=["qwen3-hf", "llama-native"])
+@pytest.fixture(scope="module", params=[("qwen3", "hf"), ("llama", "native"), ("qwen3_5", "native")],
+                ids=["qwen3-hf", "llama-native", "qwen3_5-native"])
 def pair(request, tmp_path_factory) -> tuple[Path, Path, object]:
     arch, backend = request.param
     target_dir, draft_dir = make_tiny_pair(tmp_path_factory.mktemp(arch), arch=arch)

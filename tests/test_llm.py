@@ -101,6 +101,29 @@ def test_an_open_stream_blocks_other_calls(llm: LLM) -> None:
     assert first.text + "".join(c.text for c in rest) == llm.generate(CHATS[0], PARAMS)[0].text
 
 
+def test_one_sampling_params_per_prompt(llm: LLM) -> None:
+    each = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (5, 9, 13)]
+    outs = llm.generate(CHATS, each)
+    assert [len(o.token_ids) for o in outs] == [5, 9, 13] and {o.finish_reason for o in outs} == {"length"}
+    with pytest.raises(ValueError, match="one per prompt"):
+        llm.generate(CHATS, each[:2])
+
+
+@pytest.mark.parametrize(("bad", "match"), [
+    (dict(stop=5), "stop must be a list"), (dict(seed="a"), "seed must be an integer"),
+    (dict(stop_token_ids=[10**6]), "stop_token_ids must be in"), (dict(max_tokens=-1), "max_tokens"),
+])
+def test_bad_sampling_params_are_clear_errors(llm: LLM, bad: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        llm.generate(CHATS[0], SamplingParams(**bad))
+    assert llm.engine.num_running() == 0
+
+
+def test_an_unknown_setting_names_the_known_ones() -> None:
+    with pytest.raises(TypeError, match="unexpected keyword argument.*foo.*settings: tokenizer"):
+        LLM(foo=1)
+
+
 def test_bad_prompts_are_clear_errors(llm: LLM) -> None:
     assert llm.generate([], PARAMS) == []
     with pytest.raises(ValueError, match="single message dict"):

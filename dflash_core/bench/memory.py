@@ -190,12 +190,13 @@ def kv_bytes_per_row(m: dict[str, Any], dtype_bytes: int) -> int:
 
 def state_bytes_per_slot(m: dict[str, Any], dtype_bytes: int) -> int:
     """A slot's fixed-size state in Gated DeltaNet layers: the convolution window (kernel - 1 inputs, model dtype)
-    and the recurrent state (value heads x key dim x value dim, float32); 0 without such layers."""
+    and the recurrent state (value heads x key dim x value dim, float32), each held twice: the live one and the
+    copy a verify step records for rollback; 0 without such layers."""
     linear = sum(kind == "linear_attention" for kind in layer_types(m))
     if not linear:
         return 0
     conv, kernel, nv, dk, dv = _linear_dims(m)
-    return linear * (conv * (kernel - 1) * dtype_bytes + nv * dk * dv * 4)
+    return 2 * linear * (conv * (kernel - 1) * dtype_bytes + nv * dk * dv * 4)
 
 
 def memory_estimate(

@@ -12,8 +12,10 @@ first `length - start` tokens only, with the same operations in the same order, 
 feeding the accepted prefix alone would have left; no second target forward runs. A prefill records only its
 starting point: it can be rolled back to it (a retry), not into its middle.
 
-Prefill uses transformers' chunked delta-rule reference (as transformers' own prefill does); verify and decode
-steps use the token-by-token recurrence (as transformers' own decode does), so outputs match `generate`.
+Prefill uses transformers' chunked delta-rule function (as transformers' own prefill does); verify and decode
+steps use the token-by-token recurrence in torch (as transformers' own decode does without the fla / causal-conv1d
+kernels), so outputs match `generate` run with transformers' torch implementations. Memory: each running request
+holds its state twice (live, and the copy its last forward recorded for rollback); `dflash-bench memory` counts both.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_core.layers import apply_rope
-from dflash_core.runners.native import Batch, NativeTarget, Rope, Slot
+from dflash_core.runners.native import Batch, NativeTarget, Rope, Slot, supports
 
 HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 _L2_EPS = 1e-6
@@ -37,8 +39,9 @@ _L2_EPS = 1e-6
 def hybrid_unsupported(model: nn.Module) -> str | None:
     """None when the hybrid runner can run `model`, else why not."""
     cfg = model.config
-    if cfg.model_type not in HYBRID_MODEL_TYPES:
-        return f"model_type {cfg.model_type!r} (the hybrid runner supports {', '.join(HYBRID_MODEL_TYPES)})"
+    layout = supports(model, HYBRID_MODEL_TYPES)
+    if layout is not None:
+        return layout
     if cfg.hidden_act not in ("silu", "swish"):
         return f"hidden_act {cfg.hidden_act!r} in the linear-attention convolution"
     return None
@@ -48,8 +51,8 @@ def hybrid_unsupported(model: nn.Module) -> str | None:
 class _LayerRecord:
     """What one linear layer needs to roll one row back into the last forward."""
 
-    window: torch.Tensor  # [C, K-1] convolution window before the forward
-    state: torch.Tensor  # [Hv, dk, dv] recurrent state before the forward (float32)
+    window: torch.Tensor  # [C, K-1] convolution window before the forward (a view of the slot's backup row)
+    state: torch.Tensor  # [Hv, dk, dv] recurrent state before the forward (float32; likewise)
     inputs: torch.Tensor | None = None  # [C, m] convolution inputs of the forward's tokens
     key: torch.Tensor | None = None  # [Hv, m, dk] (normalised, float32)
     value: torch.Tensor | None = None  # [Hv, m, dv]
@@ -107,6 +110,9 @@ class HybridTarget(NativeTarget):
         self.conv_state = torch.zeros(len(linear), self.max_slots, conv_dim, kernel - 1, dtype=self.dtype,
                                       device=self.device)
         self.rec_state = torch.zeros(len(linear), self.max_slots, hv, dk, dv, dtype=torch.float32, device=self.device)
+        # where a forward keeps each row's starting window and state for rollback: allocated once, like the caches
+        self.conv_backup = torch.zeros_like(self.conv_state)
+        self.rec_backup = torch.zeros_like(self.rec_state)
         # transformers' chunked delta rule (its prefill): taken from the layer's own modeling module
         self._chunk_rule: Callable[..., Any] | None = (
             vars(sys.modules[type(la).__module__])["torch_chunk_gated_delta_rule"] if la is not None else None)
@@ -202,10 +208,13 @@ class HybridTarget(NativeTarget):
         width = window.shape[-1]
         for r, (tokens, _, cache) in enumerate(batch.rows):
             m = len(tokens)
-            rec = _LayerRecord(window[r].clone(), state0[r].clone())
-            if kf is not None:
-                rec.inputs, rec.key, rec.value = mixed[r, :, :m].to(window.dtype), kf[r, :, :m], vf[r, :, :m]
-                rec.decay, rec.beta = gf[r, :, :m], bf[r, :, :m]
+            self.conv_backup[j, cache.index] = window[r]
+            self.rec_backup[j, cache.index] = state0[r]
+            rec = _LayerRecord(self.conv_backup[j, cache.index], self.rec_backup[j, cache.index])
+            if kf is not None:  # copies of the row's tokens only, so the batch's tensors are not kept alive
+                rec.inputs = mixed[r, :, :m].to(window.dtype, copy=True)
+                rec.key, rec.value = kf[r, :, :m].clone(), vf[r, :, :m].clone()
+                rec.decay, rec.beta = gf[r, :, :m].clone(), bf[r, :, :m].clone()
             cache.records[j] = rec
             self.conv_state[j, cache.index] = full[r, :, m : m + width]
             self.rec_state[j, cache.index] = state[r]

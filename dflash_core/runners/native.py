@@ -49,6 +49,8 @@ class Batch:
 def supports(model: nn.Module, model_types: Sequence[str] = SUPPORTED_MODEL_TYPES) -> str | None:
     """None when `model` can run natively, else the reason it cannot."""
     cfg = model.config
+    if cfg.model_type == "gpt_oss":
+        return "gpt-oss's attention sinks and sliding-window layers"
     if cfg.model_type not in model_types:
         return f"model_type {cfg.model_type!r} (native supports {', '.join(model_types)})"
     if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
