@@ -66,6 +66,9 @@ def test_prompt_forms_agree(llm: LLM) -> None:
     assert len({tuple(o.token_ids) for o in outs}) == 1
     raw = llm.generate(text, PARAMS)[0]  # raw text: the tokenizer's own BOS rules (this one adds none)
     assert raw.token_ids == outs[0].token_ids
+    streamed = list(llm.stream(text, PARAMS))  # a raw prompt streams the same tokens and text
+    assert [t for c in streamed for t in c.token_ids] == raw.token_ids
+    assert "".join(c.text for c in streamed) == raw.text and streamed[-1].finish_reason == raw.finish_reason
 
 
 def test_stream_yields_the_generated_text_step_by_step(llm: LLM) -> None:
