@@ -29,15 +29,21 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
+def params_per_prompt(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
+    """One SamplingParams for each of `n` prompts, from one for all or a list of one per prompt."""
+    per_prompt = [params] * n if isinstance(params, SamplingParams) else list(params)
+    if len(per_prompt) != n or not all(isinstance(p, SamplingParams) for p in per_prompt):
+        raise ValueError(f"params: one SamplingParams, or one per prompt ({n})")
+    return per_prompt
+
+
 def iter_steps(
     engine: Engine, prompts: Sequence[list[int]], params: SamplingParams | Sequence[SamplingParams]
 ) -> Iterator[tuple[RequestOutput, StepOutput]]:
     """Add every prompt, then step until all have finished, yielding each step's output with its request's
     running output. A prompt the engine refuses raises ValueError before anything runs. When the caller stops
     early, the requests still running are aborted so that their slots are free for the next call."""
-    per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-    if len(per_prompt) != len(prompts):
-        raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} sampling params")
+    per_prompt = params_per_prompt(params, len(prompts))
     running: dict[int, RequestOutput] = {}
     try:
         for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):

@@ -27,7 +27,7 @@ from dflash_core.chat import as_token_ids, encode_chat, encode_text
 from dflash_core.config import EngineConfig
 from dflash_core.detokenize import OutputText
 from dflash_core.engine import FINISH_ABORT, FINISH_ERROR, TokenLogprob
-from dflash_core.generate import RequestOutput, iter_steps
+from dflash_core.generate import RequestOutput, iter_steps, params_per_prompt
 from dflash_core.loading import LoadedModels, load_models
 from dflash_core.sampling import SamplingParams
 from dflash_core.stats import SpecSummary
@@ -137,12 +137,10 @@ class LLM:
             raise RuntimeError("this LLM still has an open stream: exhaust it or close() it first")
         self._busy = True
         try:
-            per_prompt = [params or SamplingParams()] * len(batch) if not isinstance(params, Sequence) else params
-            if len(per_prompt) != len(batch) or not all(isinstance(p, SamplingParams) for p in per_prompt):
-                raise ValueError(f"params: one SamplingParams, or one per prompt ({len(batch)})")
+            per_prompt = params_per_prompt(params or SamplingParams(), len(batch))
             for p in per_prompt:
                 p.validate()  # before anything reads them (the engine validates again when it adds them)
-            yield from self._steps(batch, list(per_prompt), outs)
+            yield from self._steps(batch, per_prompt, outs)
         finally:
             self._busy = False
 

@@ -238,15 +238,8 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema("ChatCompletionRequest"))
     async def chat_completions(request: Request) -> Response:
-        rid = request.state.request_id = new_id("chatcmpl")
-        check_auth(request, state.settings.api_key)
-        await check_content_type(request)
-        models, worker = check_ready(state)
-        max_model_len = models.engine.max_model_len
-        body = await read_body(request)
-        req = await state.parser.parse("chat", body, max_model_len)
+        rid, worker, max_model_len, body, req = await _admit(state, request, "chat", "chatcmpl")
         assert isinstance(req, ChatCompletionRequest) and state.prompts is not None and state.token_strings is not None
-        check_model(req.model, state.served_model_name)
         # every message and part costs template work even when empty: they count like characters
         size = sum(len(m.text()) + 1 + (len(m.content) if isinstance(m.content, list) else 0) for m in req.messages)
         prompt = await prepare(state.tokenize_limiter, size, not is_cheap(body), state.prompts.chat, req)
@@ -258,15 +251,8 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions", openapi_extra=_body_schema("CompletionRequest"))
     async def completions(request: Request) -> Response:
-        rid = request.state.request_id = new_id("cmpl")
-        check_auth(request, state.settings.api_key)
-        await check_content_type(request)
-        models, worker = check_ready(state)
-        max_model_len = models.engine.max_model_len
-        body = await read_body(request)
-        req = await state.parser.parse("completion", body, max_model_len)
+        rid, worker, max_model_len, body, req = await _admit(state, request, "completion", "cmpl")
         assert isinstance(req, CompletionRequest) and state.prompts is not None and state.token_strings is not None
-        check_model(req.model, state.served_model_name)
         size = sum(len(p) for p in req.prompts() if isinstance(p, str))
         prompts = await prepare(state.tokenize_limiter, size, not is_cheap(body), state.prompts.completions, req)
         params = []
@@ -276,6 +262,22 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         run = start_run(worker, request, rid, prompts, params)
         fmt = CompletionFormatter(state.token_strings, rid, req)
         return await _respond(state, run, rid, req, fmt, prompt_tokens=sum(len(p) for p in prompts))
+
+
+async def _admit(
+    state: ServerState, request: Request, kind: str, id_prefix: str
+) -> tuple[str, Worker, int, bytes, ChatCompletionRequest | CompletionRequest]:
+    """The checks and parsing every generation request passes, in order: (response id, worker, the engine's
+    context length, raw body, parsed request)."""
+    rid = request.state.request_id = new_id(id_prefix)
+    check_auth(request, state.settings.api_key)
+    await check_content_type(request)
+    models, worker = check_ready(state)
+    max_model_len = models.engine.max_model_len
+    body = await read_body(request)
+    req = await state.parser.parse(kind, body, max_model_len)
+    check_model(req.model, state.served_model_name)
+    return rid, worker, max_model_len, body, req
 
 
 async def _respond(
