@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -190,6 +191,19 @@ class DraftConfig:
 BACKENDS = ("auto", "native", "hf")
 
 
+def parse_sizes(text: str | Sequence[int] | None, name: str) -> tuple[int, ...] | None:
+    """`"1,4,16"` (or a sequence) as sorted distinct sizes >= 1; None stays None (ValueError naming `name`)."""
+    if text is None:
+        return None
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()] if isinstance(text, str) else [int(x) for x in text]
+    except ValueError:
+        raise ValueError(f"{name} must be comma-separated integers, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"{name} must be integers >= 1, got {text!r}")
+    return tuple(sorted(set(sizes)))
+
+
 def _setting(default: Any, help: str) -> Any:
     """A field whose help text the server's command line (and the docs) show."""
     return field(default=default, metadata={"help": help})
@@ -220,6 +234,30 @@ class EngineConfig:
     draft_window: int | None = _setting(
         None, "the draft attends only to the last N target-context positions, which bounds its KV cache; outputs "
         "are unchanged, acceptance changes (default: all positions)")
+    compile: bool | None = _setting(
+        None, "pad decode steps (verify, plain, draft) to static shapes and torch.compile them, with CUDA graphs on "
+        "CUDA (default: on for CUDA, off on CPU)")
+    compile_batch_sizes: str | None = _setting(
+        None, "batch buckets of the compiled step, comma-separated (default: powers of two up to "
+        "max_running_requests, and max_running_requests)")
+    compile_widths: str = _setting("1,2,4,8,16", "tokens-per-row buckets of the compiled step, comma-separated")
+    kv_cache_memory: str | None = _setting(
+        None, "bytes for the KV caches and recurrent states (4GiB, 4GB or an integer): a max_model_len that cannot "
+        "fit is refused; an unset one is the longest that fits (default: not limited)")
+    gpu_memory_utilization: float | None = _setting(
+        None, "CUDA: the fraction of the card's memory to use; the caches get it less the weights and an "
+        "activation reserve, as with --kv-cache-memory (default: not limited)")
+    speculation: str = _setting(
+        "adaptive", "verify width policy: adaptive (per step, from the draft's confidence and the measured step "
+        "costs: narrower under load, plain steps where drafting does not pay) or fixed (always the full block)")
+    max_num_batched_tokens: int | None = _setting(
+        2048, "token budget of one engine step: prefill chunks plus verify rows (rows x width); as vLLM's")
+    prefill_chunk: int | None = _setting(
+        256, "prompt tokens prefilled per step, over all new requests: a long prompt delays running streams by "
+        "one chunk at a time (0 or none: whole prompts)")
+    threads: int | None = _setting(
+        None, "torch CPU threads (default: 1 on a CPU device, where small forwards are fastest on one thread; "
+        "torch's default on CUDA)")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -236,6 +274,29 @@ class EngineConfig:
             raise ValueError("max_model_len must be >= 2")
         if self.draft_window is not None and self.draft_window < 1:
             raise ValueError("draft_window must be >= 1")
+        from dflash_core.memory import parse_bytes
+
+        parse_sizes(self.compile_batch_sizes, "compile_batch_sizes")
+        parse_sizes(self.compile_widths, "compile_widths")
+        if self.kv_cache_memory is not None:
+            try:
+                parse_bytes(self.kv_cache_memory)
+            except ValueError as exc:
+                raise ValueError(f"kv_cache_memory: {exc}") from None
+        if self.gpu_memory_utilization is not None:
+            if not 0 < self.gpu_memory_utilization <= 1:
+                raise ValueError("gpu_memory_utilization must be in (0, 1]")
+            if self.kv_cache_memory is not None:
+                raise ValueError("set one of kv_cache_memory and gpu_memory_utilization, not both")
+        if self.speculation not in ("adaptive", "fixed"):
+            raise ValueError(f"speculation must be adaptive or fixed, got {self.speculation!r}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= self.max_running_requests:
+            raise ValueError("max_num_batched_tokens must exceed max_running_requests (every running request "
+                             "verifies at least one token per step)")
+        if self.prefill_chunk is not None and self.prefill_chunk < 0:
+            raise ValueError("prefill_chunk must be >= 0 (0: whole prompts)")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError("threads must be >= 1")
 
     @classmethod
     def from_settings(cls, settings: Any) -> EngineConfig:

@@ -27,16 +27,29 @@ PROMPT_CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    """Token ids in, complete text out (never a split character until ``flush``)."""
+    """Token ids in, complete text out (never a split character until ``flush``).
+
+    A fast (tokenizers-backed) tokenizer streams through the tokenizers library's ``DecodeStream``, primed with the
+    prompt's last tokens: one cheap step per token. Other tokenizers decode a short window twice per token.
+    """
 
     def __init__(
         self, tokenizer: Any, prompt_token_ids: list[int] | None = None, skip_special_tokens: bool = True
     ) -> None:
+        from transformers import PreTrainedTokenizerFast
+
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._ids: list[int] = list((prompt_token_ids or [])[-PROMPT_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        self._stream: Any = None
+        if isinstance(tokenizer, PreTrainedTokenizerFast):
+            from tokenizers.decoders import DecodeStream
+
+            self._backend = tokenizer.backend_tokenizer
+            self._stream = DecodeStream(ids=list(self._ids), skip_special_tokens=skip_special_tokens)
+            self._pending = 0  # tokens the stream holds (an incomplete character)
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip, clean_up_tokenization_spaces=False)
@@ -44,10 +57,24 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> str:
         """Append one token; return the text it completes (possibly empty)."""
         self._ids.append(token_id)
-        return self._advance(final=False)
+        if self._stream is None:
+            return self._advance(final=False)
+        text = self._stream.step(self._backend, token_id)
+        if text is None:
+            self._pending += 1
+            return ""
+        self._pending = 0
+        self._read_offset = len(self._ids)
+        return text
 
     def flush(self) -> str:
         """Text still held at the end of the stream (an incomplete character becomes U+FFFD)."""
+        if self._stream is not None:
+            if not self._pending:
+                return ""
+            self._prefix_offset = max(0, len(self._ids) - self._pending - PROMPT_CONTEXT_TOKENS)
+            self._read_offset = len(self._ids) - self._pending
+            self._pending = 0
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
@@ -64,10 +91,12 @@ class IncrementalDetokenizer:
 
 
 class StopMatcher:
-    """Finds stop strings in a text stream; holds back a tail that may start one."""
+    """Finds stop strings in a text stream; holds back a tail that may start one. The text ends before the stop
+    string, or after it with ``include_stop`` (vLLM's ``include_stop_str_in_output``)."""
 
-    def __init__(self, stop: list[str]) -> None:
+    def __init__(self, stop: list[str], include_stop: bool = False) -> None:
         self._stop = [s for s in stop if s]
+        self._include = include_stop
         self._max = max((len(s) for s in self._stop), default=0)
         self._held = ""
 
@@ -84,7 +113,7 @@ class StopMatcher:
                 best, found = i, s
         if found is not None:
             self._held = ""
-            return buf[:best], found
+            return buf[: best + (len(found) if self._include else 0)], found
         hold = 0
         for k in range(min(len(buf), self._max - 1), 0, -1):
             tail = buf[-k:]
@@ -112,9 +141,16 @@ class DecodeResult:
 class RequestDecoder:
     """Detokenizer + stop strings for one request."""
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int] | None, stop: list[str]) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
-        self._stop = StopMatcher(stop)
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int] | None,
+        stop: list[str],
+        skip_special_tokens: bool = True,
+        include_stop: bool = False,
+    ) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+        self._stop = StopMatcher(stop, include_stop)
         self.stopped = False
 
     def feed(self, token_ids: list[int]) -> DecodeResult:
@@ -169,9 +205,13 @@ class OutputText:
     tokenizer: Any
     prompt_token_ids: list[int] | None = None
     stop: list[str] = field(default_factory=list)
+    skip_special_tokens: bool = True  # special tokens' text left out (vLLM's default)
+    include_stop: bool = False  # a stop string stays in the text (vLLM's include_stop_str_in_output)
 
     def __post_init__(self) -> None:
-        self._decoder = RequestDecoder(self.tokenizer, self.prompt_token_ids, list(self.stop))
+        self._decoder = RequestDecoder(
+            self.tokenizer, self.prompt_token_ids, list(self.stop), self.skip_special_tokens, self.include_stop
+        )
 
     def step(self, out: StepOutput) -> TextStep:
         """The text and tokens of one step output (not an error or abort output)."""

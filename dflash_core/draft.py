@@ -196,19 +196,23 @@ class SlotDraftCache:
             return positions
         return torch.where(positions < 0, self.scratch, positions % self.window)
 
-    def batch(self, slots: list[int], ctx_pos: torch.Tensor | None, kv_len: int) -> SlotBatch:
+    def batch(self, slots: list[int] | torch.Tensor, ctx_pos: torch.Tensor | None, kv_len: int) -> SlotBatch:
         return SlotBatch(self, slots, ctx_pos, kv_len)
 
 
 class SlotBatch:
     """One batched draft call's view of a SlotDraftCache: rows at `ctx_pos` [b, c], keys of the first kv_len
-    columns returned (of a ring: of at most its N columns)."""
+    columns returned (of a ring: of at most its N columns). `slots` as a tensor (a static step): every row goes
+    through the gather, whatever the batch size."""
 
-    def __init__(self, cache: SlotDraftCache, slots: list[int], ctx_pos: torch.Tensor | None, kv_len: int) -> None:
+    def __init__(
+        self, cache: SlotDraftCache, slots: list[int] | torch.Tensor, ctx_pos: torch.Tensor | None, kv_len: int
+    ) -> None:
         self.cache, self.ctx_pos = cache, ctx_pos
         self.kv_len = kv_len if cache.window is None else min(kv_len, cache.window)
-        self.slots = torch.tensor(slots, device=cache.k.device)
-        self.single = slots[0] if len(slots) == 1 else None
+        static = isinstance(slots, torch.Tensor)
+        self.slots = slots if static else torch.tensor(slots, device=cache.k.device)
+        self.single = slots[0] if not static and len(slots) == 1 else None
         self.cols = None if ctx_pos is None else cache.columns(ctx_pos)
         if cache.pos is not None and ctx_pos is not None:
             # a failed call leaves these marks; its retry rewrites the same columns, and a column overwritten by a

@@ -1,7 +1,9 @@
-"""The DFlash engine: per-request prefill, then draft -> verify -> accept iterations.
+"""The DFlash engine: chunked, batched prefill, then draft -> verify -> accept iterations.
 
-`step()` advances every active request by one iteration. A request without a drafter (block size 1) is plain
-autoregressive decoding through the same code: the baseline every benchmark compares against.
+`step()` runs what the scheduler planned: the verify rows of the running requests (their drafts first, all in one
+batched call each, at the width the policy chose) and the prefill chunks of new requests. A request without a
+drafter (block size 1) is plain autoregressive decoding through the same code: the baseline every benchmark
+compares against.
 """
 
 from __future__ import annotations
@@ -16,15 +18,26 @@ from typing import Any
 import torch
 
 from dflash_core.chat import as_token_ids
-from dflash_core.runners.base import Drafter, DraftRequest, TargetOutput, TargetRow, TargetRunner
-from dflash_core.sampling import SamplingParams, choose_tokens, resolve_seed, token_logprobs
+from dflash_core.grammar import GrammarBackend, GrammarState
+from dflash_core.processors import LogitsProcessor, build_processor
+from dflash_core.runners.base import Drafter, DraftRequest, Proposal, TargetOutput, TargetRow, TargetRunner
+from dflash_core.sampling import (
+    SamplingParams,
+    choose_token_tensor,
+    choose_tokens,
+    resolve_seed,
+    token_logprobs,
+)
+from dflash_core.scheduler import Chunk, Scheduler
 from dflash_core.slots import SlotPool
+from dflash_core.speculation import SpecState, WidthPolicy
 from dflash_core.stats import RequestStats
 
 log = logging.getLogger("dflash.engine")
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR = "stop", "length", "abort", "error"
 _KEEP_FINISHED_STATS = 4096
+MIN_PREFILL_ROOM = 32  # prefill tokens a step always has room for, however fast its decode step
 
 
 @dataclass
@@ -48,6 +61,7 @@ class StepOutput:
     is_prefill: bool = False
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    verify_width: int = 0  # tokens this request's verify row checked (1: a plain step; 0: no verify)
 
 
 @dataclass
@@ -64,13 +78,21 @@ class _Request:
     output: list[int] = field(default_factory=list)
     position: int = 0  # position of output[-1], the one generated token not yet in the target cache
     aborted: bool = False
+    prefilled: int = 0  # prompt tokens in the target cache (chunked prefill)
+    spec: SpecState | None = None  # the width policy's history of this request
+    drafted: bool = False  # it drafted in the current step
+    processor: LogitsProcessor | None = None  # penalties, logit_bias, min_tokens, grammar mask (None: none)
+    grammar: GrammarState | None = None  # structured output: the grammar over the committed tokens
 
 
 class Engine:
     """Serves many requests, one draft+verify iteration each per `step()`. Not thread-safe.
 
     Each running request holds one slot of `self.slots` (its target cache and draft state are created for that
-    slot); requests beyond the free slots wait, in order, for one to be released.
+    slot); requests beyond the free slots wait, in order, for one to be released. `speculation` is the width
+    policy ("fixed": the full block, the default here; "adaptive", the default of `EngineConfig`, see
+    `dflash_core.speculation`); `max_num_batched_tokens` and `prefill_chunk`
+    are the scheduler's step budget and prefill chunk size (None: unbounded).
     """
 
     def __init__(
@@ -81,9 +103,14 @@ class Engine:
         max_model_len: int | None = None,
         max_slots: int | None = None,
         slots: SlotPool | None = None,
+        speculation: str = "fixed",
+        max_num_batched_tokens: int | None = None,
+        prefill_chunk: int | None = None,
+        grammar: GrammarBackend | None = None,
     ) -> None:
         self.target = target
         self.drafter = drafter
+        self.grammar = grammar  # compiles structured outputs (None: requests with `structured` are refused)
         if slots is None:  # engines that share a runner must share its pool: pass `slots`
             limits = [n for n in (max_slots, target.max_slots, drafter and drafter.max_slots) if n is not None]
             slots = SlotPool(min(limits) if limits else None)
@@ -94,6 +121,10 @@ class Engine:
         self._ids = itertools.count()
         self._active: dict[int, _Request] = {}
         self._finished: OrderedDict[int, RequestStats] = OrderedDict()
+        self.scheduler = Scheduler(self.slots, max_num_batched_tokens, prefill_chunk)
+        self.policy = WidthPolicy(self.block_size, speculation, padded=target.pads_rows)
+        self._speedup: float | None = None
+        self._decode_seconds: float | None = None  # a decode step's time (draft + verify), running average
 
     # ---- requests ----
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -115,19 +146,36 @@ class Engine:
                 f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
                 f"context length ({self.max_model_len})"
             )
+        if any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop.update(self.eos_token_ids)
+        grammar = self._grammar_state(params, stop)
+        processor = build_processor(params, prompt, stop, vocab, grammar)
         rid = next(self._ids)
-        self._active[rid] = _Request(
+        req = _Request(
             id=rid,
             prompt=prompt,
             params=params,
             seed=resolve_seed(params.seed),
             stop_ids=frozenset(stop),
             stats=RequestStats(prompt_tokens=len(prompt), block_size=self.block_size),
+            processor=processor,
+            grammar=grammar,
         )
+        self._active[rid] = req
+        self.scheduler.add(req)
         return rid
+
+    def _grammar_state(self, params: SamplingParams, stop_ids: set[int]) -> GrammarState | None:
+        """A structured request's grammar, ending on its stop tokens (on EOS when it has none)."""
+        if params.structured is None:
+            return None
+        if self.grammar is None:
+            raise ValueError("structured output needs a grammar backend (this engine was built without one)")
+        ends = stop_ids or set(self.eos_token_ids)
+        return GrammarState(self.grammar.matcher(params.structured, ends), params.structured.start_after)
 
     def abort(self, request_id: int) -> None:
         """The request ends with finish reason "abort" at the next step; unknown ids are ignored."""
@@ -139,7 +187,23 @@ class Engine:
         return bool(self._active)
 
     def num_running(self) -> int:
+        """Requests added and not finished (waiting, prefilling or decoding)."""
         return len(self._active)
+
+    def num_decoding(self) -> int:
+        """Requests past their prefill."""
+        return self.scheduler.num_running()
+
+    def num_waiting(self) -> int:
+        """Requests not yet decoding: waiting for a slot or being prefilled."""
+        return self.scheduler.num_waiting()
+
+    def estimated_speedup(self) -> float | None:
+        """Committed tokens per second of recent decode steps over what plain steps of the same batch would give,
+        from the measured step costs (None until measured; 1.0 without a drafter)."""
+        if self.drafter is None:
+            return 1.0
+        return self._speedup
 
     def is_running(self, request_id: int) -> bool:
         """The request was added and has not finished yet."""
@@ -154,25 +218,35 @@ class Engine:
 
     # ---- the loop ----
     def step(self) -> list[StepOutput]:
-        """Advance every active request by one iteration: its prefill, or one draft + verify.
+        """Run one scheduled step: aborts, then one draft + verify for every running request, then the prefill
+        chunks of new requests (batched; a request's last chunk gives its first token).
 
         The verify blocks of all decoding requests go to the target as one batch (one forward on the native
         backend). A failure is confined to the request that caused it.
         """
+        plan = self.scheduler.schedule(self._prefill_room())
         outputs: list[StepOutput] = []
-        decoding: list[_Request] = []
-        for req in list(self._active.values()):
-            if req.aborted:
-                self._emit(req, StepOutput(req.id, [], finish_reason=FINISH_ABORT), outputs)
-            elif req.cache is None:
-                if self.slots.has_free():  # else it waits for a request to finish
-                    self._emit(req, self._guarded(req, self._prefill), outputs)
-            else:
-                decoding.append(req)
-        if decoding:
-            for req, out in self._decode_batch(decoding):
+        for req in plan.aborted:
+            self._emit(req, StepOutput(req.id, [], finish_reason=FINISH_ABORT), outputs)
+        if plan.decode:
+            for req, out in self._decode_batch(plan.decode, plan.verify_budget):
+                self._emit(req, out, outputs)
+        if plan.prefill:
+            for req, out in self._prefill_batch(plan.prefill):
                 self._emit(req, out, outputs)
         return outputs
+
+    def _prefill_room(self) -> int | None:
+        """While streams decode, the prefill tokens of a step: the most whose measured forward takes no longer
+        than a decode step (a power of two, MIN_PREFILL_ROOM at least), so a long prompt delays running streams
+        by about one step at a time. None (the configured chunk) when nothing decodes or nothing is measured."""
+        if not self.scheduler.running or self._decode_seconds is None or not self.scheduler.num_waiting():
+            return None
+        room = MIN_PREFILL_ROOM
+        while room < (self.scheduler.prefill_chunk or 1 << 20) and \
+                self.policy.costs.target(2 * room) <= self._decode_seconds:
+            room *= 2
+        return room
 
     def _emit(self, req: _Request, out: StepOutput, outputs: list[StepOutput]) -> None:
         if out.finish_reason is not None:
@@ -192,6 +266,7 @@ class Engine:
 
     def _retire(self, req: _Request) -> None:
         del self._active[req.id]
+        self.scheduler.remove(req)
         req.cache = req.draft_state = None  # both caches dropped before their slot is free again
         if req.slot is not None:
             self.slots.release(req.slot)
@@ -200,93 +275,210 @@ class Engine:
         while len(self._finished) > _KEEP_FINISHED_STATS:
             self._finished.popitem(last=False)
 
-    def _prefill(self, req: _Request) -> StepOutput:
-        t0 = time.perf_counter()
+    def _start(self, req: _Request) -> None:
+        """Take a slot; create the request's target cache and draft state in it."""
         req.slot = self.slots.allocate()
         req.cache = self.target.new_cache(req.slot)
-        use_draft = self.drafter is not None
-        out = self.target.forward(req.prompt, 0, req.cache, features=use_draft, last_only=True)
-        token = choose_tokens(out.logits, req.params, req.seed, len(req.prompt))
-        if use_draft:
+        if self.drafter is not None:
             req.draft_state = self.drafter.new_state(req.slot, req.prompt)
-            if out.features is not None:
-                self.drafter.extend_context(req.draft_state, out.features)
+            req.spec = self.policy.new_state()
+        self.scheduler.started(req)
+
+    def _forward_rows(
+        self, rows: list[TargetRow], features: bool, last_only: bool
+    ) -> list[TargetOutput | BaseException]:
+        """One batched target forward; if it fails, the rows one by one so the failure stays with its request."""
+        try:
+            return list(self.target.forward_batch(rows, features=features, last_only=last_only))
+        except Exception:
+            log.warning("batched target forward failed; retrying request by request", exc_info=True)
+        outs: list[TargetOutput | BaseException] = []
+        for tokens, start, cache in rows:
+            try:
+                # Rows that ran before the failure already appended to their cache (hf): back to the start.
+                self.target.crop(cache, start)
+                outs.append(self.target.forward(tokens, start, cache, features=features, last_only=last_only))
+            except Exception as exc:
+                outs.append(exc)
+        return outs
+
+    def _prefill_batch(self, chunks: list[Chunk]) -> list[tuple[_Request, StepOutput]]:
+        """Prefill this step's chunks in one forward; a request whose prompt is now cached gets its first token."""
+        t0 = time.perf_counter()
+        done: list[tuple[_Request, StepOutput]] = []
+        ready: list[Chunk] = []
+        for ch in chunks:
+            req = ch.req
+            if req.cache is None:
+                try:
+                    self._start(req)
+                except Exception as exc:
+                    done.append((req, self._error(req, exc)))
+                    continue
+            ready.append(ch)
+        if not ready:
+            return done
+        rows = [TargetRow(ch.tokens, ch.start, ch.req.cache) for ch in ready]
+        outs = self._forward_rows(rows, self.drafter is not None, last_only=True)
+        elapsed = time.perf_counter() - t0
+        self.policy.costs.target.add(len(rows) * max(len(r.token_ids) for r in rows), elapsed)
+        for ch, out in zip(ready, outs):
+            req = ch.req
+            req.stats.prefill_time += elapsed
+            if isinstance(out, BaseException):
+                done.append((req, self._error(req, out)))
+                continue
+            step = self._guarded(req, self._prefilled, ch, out)
+            if step is not None:
+                done.append((req, step))
+        return done
+
+    def _prefilled(self, req: _Request, chunk: Chunk, out: TargetOutput) -> StepOutput | None:
+        """A chunk is in the cache; after the last one, choose the first token."""
+        if req.draft_state is not None and out.features is not None:
+            self.drafter.extend_context(req.draft_state, out.features)
+        req.prefilled = chunk.start + len(chunk.tokens)
+        if not chunk.last:
+            return None
+        token = choose_tokens(self._processed(req, out.logits, []), req.params, req.seed, len(req.prompt))
         req.position = len(req.prompt)
-        step = self._commit(req, token, out.logits, StepOutput(req.id, [], is_prefill=True))
-        req.stats.prefill_time += time.perf_counter() - t0
-        return step
+        self.scheduler.prefilled(req)
+        return self._commit(req, token, out.logits, StepOutput(req.id, [], is_prefill=True))
 
     def _draft_width(self, req: _Request) -> int:
         """Draft tokens to propose: B-1, fewer when max_tokens is closer."""
         return min(self.block_size, req.params.max_tokens - len(req.output)) - 1
 
-    def _propose_all(self, reqs: list[_Request]) -> tuple[list[tuple[_Request, list[int]]], list[tuple[_Request, Any]]]:
-        """Proposals for every request (one batched draft call); failures apart."""
-        plans = {req.id: (req, []) for req in reqs}
+    def _propose_all(self, reqs: list[_Request]) -> tuple[list[tuple[_Request, Proposal]], list[tuple[_Request, Any]]]:
+        """Proposals for every request (one batched draft call; empty for a plain step); failures apart."""
+        plans = {req.id: (req, Proposal([], [])) for req in reqs}
         failed: list[tuple[_Request, Any]] = []
+        for req in reqs:
+            req.drafted = False
         if self.drafter is None:
             return list(plans.values()), failed
-        drafting = [req for req in reqs if self._draft_width(req) > 0]
-        items = [DraftRequest(r.draft_state, r.output[-1], r.position, self._draft_width(r)) for r in drafting]
-        if items:
-            try:
-                for req, props in zip(drafting, self.drafter.propose_batch(items)):
-                    plans[req.id] = (req, props)
-                return list(plans.values()), failed
-            except Exception:  # find out which request it was: one by one
-                log.warning("batched draft failed; retrying request by request", exc_info=True)
+        wanted = self.policy.drafting([r.spec for r in reqs], [self._draft_width(r) for r in reqs])
+        drafting = [req for req, n in zip(reqs, wanted) if n > 0]
+        items = [DraftRequest(r.draft_state, r.output[-1], r.position, n) for r, n in zip(reqs, wanted) if n > 0]
+        if not items:
+            return list(plans.values()), failed
+        t0 = time.perf_counter()
+        try:
+            for req, prop in zip(drafting, self.drafter.propose_scored(items)):
+                plans[req.id] = (req, prop)
+                req.drafted = True
+            self.policy.costs.draft.add(len(items) * (max(it.n for it in items) + 1), time.perf_counter() - t0)
+            return list(plans.values()), failed
+        except Exception:  # find out which request it was: one by one
+            log.warning("batched draft failed; retrying request by request", exc_info=True)
         for req, item in zip(drafting, items):
             try:
-                plans[req.id] = (req, self.drafter.propose_batch([item])[0])
+                plans[req.id] = (req, self.drafter.propose_scored([item])[0])
+                req.drafted = True
             except Exception as exc:
                 del plans[req.id]
                 failed.append((req, exc))
         return list(plans.values()), failed
 
-    def _decode_batch(self, reqs: list[_Request]) -> list[tuple[_Request, StepOutput]]:
+    def _decode_batch(self, reqs: list[_Request], verify_budget: int | None) -> list[tuple[_Request, StepOutput]]:
         t0 = time.perf_counter()
-        plans, failed = self._propose_all(reqs)
+        proposed, failed = self._propose_all(reqs)
         done = [(req, self._error(req, exc)) for req, exc in failed]
-        if not plans:
+        if not proposed:
             return done
+        keep = self.policy.widths([prop.confidence for _, prop in proposed], verify_budget)
+        plans = [(req, self._grammar_cut(req, prop.tokens[:k])) for (req, prop), k in zip(proposed, keep)]
+        t1 = time.perf_counter()
         rows = [TargetRow([req.output[-1], *props], req.position, req.cache) for req, props in plans]
-        want = any(props for _, props in plans)
-        try:
-            outs: list[Any] = self.target.forward_batch(rows, features=want)
-        except Exception:  # find out which request it was: run them one by one
-            log.warning("batched verify failed; retrying request by request", exc_info=True)
-            outs = []
-            for tokens, start, cache in rows:
-                try:
-                    # Rows that ran before the failure already appended to their cache (hf): back to the start.
-                    self.target.crop(cache, start)
-                    outs.append(self.target.forward(tokens, start, cache, features=want))
-                except Exception as exc:
-                    outs.append(exc)
-        elapsed = time.perf_counter() - t0
-        for (req, props), out in zip(plans, outs):
-            if isinstance(out, BaseException):
-                done.append((req, self._error(req, out)))
+        outs = self._forward_rows(rows, self.drafter is not None, last_only=False)
+        now = time.perf_counter()
+        self.policy.costs.target.add(len(rows) * max(len(r.token_ids) for r in rows), now - t1)
+        committed = 0
+        confidence = {req.id: prop.confidence for req, prop in proposed}
+        for (req, props), out, chosen in zip(plans, outs, self._choices(plans, outs)):
+            if isinstance(out, BaseException) or isinstance(chosen, BaseException):
+                done.append((req, self._error(req, out if isinstance(out, BaseException) else chosen)))
                 continue
-            done.append((req, self._guarded(req, self._accept, props, out)))
-            req.stats.decode_time += elapsed
+            step = self._guarded(req, self._accept, props, out, chosen)
+            self.policy.calibrate(confidence[req.id][: len(props)], step.num_accepted_tokens)
+            done.append((req, step))
+            req.stats.decode_time += now - t0
+            committed += step.acceptance_length
+        self._observe_speedup(len(plans), committed, now - t0)
+        took = now - t0
+        self._decode_seconds = took if self._decode_seconds is None else self._decode_seconds + 0.2 * (
+            took - self._decode_seconds)
         return done
 
-    def _accept(self, req: _Request, proposals: list[int], out: TargetOutput) -> StepOutput:
+    def _observe_speedup(self, rows: int, committed: int, seconds: float) -> None:
+        """Update the speedup estimate: this step's tokens per second over a plain step's (measured costs)."""
+        plain = self.policy.costs.plain_step(rows)
+        if self.drafter is None or plain <= 0 or seconds <= 0 or not committed:
+            return
+        ratio = (committed / seconds) / (rows / plain)
+        self._speedup = ratio if self._speedup is None else self._speedup + 0.1 * (ratio - self._speedup)
+
+    @staticmethod
+    def _processed(req: _Request, logits: torch.Tensor, proposals: list[int]) -> torch.Tensor:
+        """The request's processed logits (`dflash_core.processors`): row i as plain decoding sees it after the
+        output plus proposals[:i]. The raw logits stay for logprobs."""
+        return logits if req.processor is None else req.processor.apply(logits, req.output, proposals)
+
+    @staticmethod
+    def _grammar_cut(req: _Request, proposals: list[int]) -> list[int]:
+        """The proposals before the first one the grammar rejects: it could never be the target's choice."""
+        if req.grammar is None or not proposals:
+            return proposals
+        try:
+            return proposals[: req.grammar.walk(proposals)]
+        except Exception:  # verify without a draft; the grammar fails again in _accept, inside this request's guard
+            log.warning("request %d: grammar walk failed", req.id, exc_info=True)
+            return []
+
+    def _choices(
+        self, plans: list[tuple[_Request, list[int]]], outs: list[TargetOutput | BaseException]
+    ) -> list[list[int] | BaseException]:
+        """The target's own choice at every verify row of every request, computed on the device and brought to
+        the host in ONE transfer for the whole step (a request whose processing fails gets its exception)."""
+        rows: list[torch.Tensor | BaseException | None] = []
+        for (req, props), out in zip(plans, outs):
+            if isinstance(out, BaseException):
+                rows.append(None)
+                continue
+            try:
+                logits = self._processed(req, out.logits, props)
+                rows.append(choose_token_tensor(logits, req.params, req.seed, req.position + 1))
+            except Exception as exc:
+                rows.append(exc)
+        tensors = [r for r in rows if isinstance(r, torch.Tensor)]
+        flat = torch.cat(tensors).tolist() if tensors else []
+        result: list[list[int] | BaseException] = []
+        at = 0
+        for r in rows:
+            if isinstance(r, torch.Tensor):
+                result.append(flat[at : at + r.numel()])
+                at += r.numel()
+            else:
+                result.append(r if isinstance(r, BaseException) else [])
+        return result
+
+    def _accept(self, req: _Request, proposals: list[int], out: TargetOutput, chosen: list[int]) -> StepOutput:
         """Keep the longest prefix of the draft that the target agrees with, plus the target's own next token.
 
-        Row i of the verify block picks the token at position p + 1 + i with that position's uniform, exactly as
-        plain decoding would, so the committed tokens are the target's own choices whatever the draft proposed.
+        Row i of the verify block picks (in `chosen`) the token at position p + 1 + i with that position's uniform,
+        exactly as plain decoding would, so the committed tokens are the target's own choices whatever the draft
+        proposed.
         """
         p = req.position
-        chosen = choose_tokens(out.logits, req.params, req.seed, p + 1)
         accepted = 0
         while accepted < len(proposals) and proposals[accepted] == chosen[accepted]:
             accepted += 1
         self.target.crop(req.cache, p + accepted + 1)
-        if proposals and out.features is not None:
+        if req.draft_state is not None and out.features is not None:  # plain steps too: the draft's context
             self.drafter.extend_context(req.draft_state, out.features[: accepted + 1])
         req.position = p + accepted + 1
+        if req.spec is not None:
+            self.policy.observe(req.spec, req.drafted, accepted + 1)
 
         req.stats.record_step(len(proposals), accepted)
         step = StepOutput(
@@ -295,6 +487,7 @@ class Engine:
             acceptance_length=accepted + 1,
             num_draft_tokens=len(proposals),
             num_accepted_tokens=accepted,
+            verify_width=len(proposals) + 1,
         )
         # The accepted draft tokens (equal to the target's choices), then the target's own token after them.
         return self._commit(req, proposals[:accepted] + chosen[accepted : accepted + 1], out.logits, step)
@@ -311,6 +504,10 @@ class Engine:
             step.finish_reason, step.stop_token_id = FINISH_LENGTH, None
         elif len(tokens) == room and step.finish_reason is None:
             step.finish_reason = FINISH_LENGTH
+        ended = req.grammar.advance(tokens) if req.grammar is not None else None
+        if ended is not None:  # the grammar accepted its stop token: nothing may follow, the request ends
+            tokens = tokens[:ended]
+            step.finish_reason, step.stop_token_id = FINISH_STOP, tokens[-1]
         req.output.extend(tokens)
         req.stats.generated_tokens = len(req.output)
         step.new_token_ids = tokens

@@ -10,7 +10,8 @@
 A prompt is a conversation (a list of `{"role", "content"}` messages, rendered with the chat template), a raw
 text (tokenized as a completion prompt), or token ids (a list of ints, or what `apply_chat_template(...,
 tokenize=True)` returns, or a 1-D tensor). Several prompts run batched, as concurrent requests do on the
-server. `SamplingParams(stop=[...])` strings end a text before them.
+server. `SamplingParams(stop=[...])` strings end a text before them; its penalties, `logit_bias`, `min_p`,
+`min_tokens` and `structured` (a `dflash_core.grammar.StructuredOutput`) pass to the engine unchanged.
 """
 
 from __future__ import annotations

@@ -10,10 +10,22 @@ from typing import Any
 import torch
 
 from dflash_core.chat import eos_token_ids
+from dflash_core.compile import StaticShapes, compile_enabled, default_batch_sizes, parse_sizes
 from dflash_core.config import DraftConfig, EngineConfig
 from dflash_core.draft import DFlashDraft
 from dflash_core.draft_formats import read_draft_config
 from dflash_core.engine import Engine
+from dflash_core.grammar import LLGuidanceBackend
+from dflash_core.memory import (
+    MemoryBudget,
+    SlotCosts,
+    cuda_cache_budget,
+    kv_bytes_per_row,
+    normalize_shape,
+    parse_bytes,
+    plan_memory,
+    state_bytes_per_slot,
+)
 from dflash_core.runners.base import TargetRunner
 from dflash_core.runners.drafter import DFlashDrafter
 from dflash_core.runners.hf import HFTarget
@@ -49,6 +61,7 @@ class LoadedModels:
     dtype: str
     block_size: int
     backend: str = "hf"
+    memory: MemoryBudget | None = None  # the start-up memory plan (logged)
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -109,6 +122,15 @@ def load_target(path: str | Path, device: torch.device, dtype: torch.dtype) -> A
     return model.to(device).eval()
 
 
+def set_threads(threads: int | None, device: Any) -> None:
+    """torch's CPU threads: `threads`, else 1 on a CPU device (a small model's forwards are launch-bound, and
+    on a shared or small CPU one thread measured fastest for both DFlash and plain decoding); CUDA keeps torch's."""
+    if threads is None and str(device).startswith("cpu"):
+        threads = 1
+    if threads is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 def load_models(config: EngineConfig) -> LoadedModels:
     """Load target + draft + tokenizer into an Engine, as `config` says. No target means the bundled demo pair.
 
@@ -124,6 +146,7 @@ def load_models(config: EngineConfig) -> LoadedModels:
             raise FileNotFoundError(f"the bundled demo pair is missing at {DEMO_DIR}")
     block_size = config.block_size
     dev = resolve_device(config.device)
+    set_threads(config.threads, dev)
     dt = resolve_dtype(config.dtype, dev)
     tok = AutoTokenizer.from_pretrained(str(local_folder(config.tokenizer or target)))
     model = load_target(target, dev, dt)
@@ -133,7 +156,10 @@ def load_models(config: EngineConfig) -> LoadedModels:
     layer_ids = cfg.target_layer_ids if cfg is not None else None
     block = (block_size or cfg.block_size) if cfg is not None else 1
     slots = config.max_running_requests
-    target_model = make_target(model, layer_ids, config.backend, slots, config.max_model_len, block)
+    budget = memory_budget(config, model, cfg, dev, dt, block)
+    log.info("%s", budget.summary())
+    static = static_shapes(config, dev)
+    target_model = make_target(model, layer_ids, config.backend, slots, budget.max_model_len, block, static)
     drafter = None
     if cfg is not None:
         check_pair(cfg, target_model)
@@ -141,10 +167,17 @@ def load_models(config: EngineConfig) -> LoadedModels:
         # a slot-indexed target gets a slot-indexed (batched) draft cache of the same slots and length
         batched = target_model.max_slots is not None
         slot_cache = dict(max_slots=target_model.max_slots, max_len=target_model.max_len) if batched else {}
-        drafter = DFlashDrafter(draft_model, target_model, block, window=config.draft_window, **slot_cache)
-    max_len = config.max_model_len or target_model.max_position_embeddings
-    engine = Engine(target_model, drafter, eos_token_ids=eos_token_ids(model, tok), max_model_len=max_len,
-                    max_slots=slots)
+        draft_static = static_shapes(config, dev) if isinstance(target_model, NativeTarget) else None
+        drafter = DFlashDrafter(draft_model, target_model, block, window=config.draft_window, static=draft_static,
+                                **slot_cache)
+    if isinstance(target_model, NativeTarget) and target_model.static is not None:
+        target_model.warm_up()
+        if drafter is not None:
+            drafter.warm_up()
+    engine = Engine(target_model, drafter, eos_token_ids=eos_token_ids(model, tok), max_model_len=budget.max_model_len,
+                    max_slots=slots, grammar=LLGuidanceBackend(tok, target_model.vocab_size),
+                    speculation=config.speculation, max_num_batched_tokens=config.max_num_batched_tokens,
+                    prefill_chunk=config.prefill_chunk or None)
     return LoadedModels(
         engine=engine,
         tokenizer=tok,
@@ -154,7 +187,67 @@ def load_models(config: EngineConfig) -> LoadedModels:
         dtype=str(dt).removeprefix("torch."),
         block_size=engine.block_size,
         backend=target_model.backend,
+        memory=budget,
     )
+
+
+def static_shapes(config: EngineConfig, device: torch.device) -> StaticShapes | None:
+    """The buckets of the compiled decode step, or None when compile is off (--no-compile; on CPU by default)."""
+    if not compile_enabled(config.compile, device):
+        return None
+    batch = parse_sizes(config.compile_batch_sizes, "compile_batch_sizes")
+    widths = parse_sizes(config.compile_widths, "compile_widths")
+    assert widths is not None
+    return StaticShapes(batch or default_batch_sizes(config.max_running_requests), widths)
+
+
+def slot_costs(
+    model: Any, draft_cfg: DraftConfig | None, dtype: torch.dtype, block: int, static: bool = False
+) -> SlotCosts:
+    """Bytes per slot of the loaded pair, as the runners allocate them: target KV rows of max_model_len + block +
+    1 (+ 1 with static steps: their scratch column), a hybrid's recurrent state, draft rows max_model_len + block
+    + 2."""
+    nbytes = torch.tensor([], dtype=dtype).element_size()
+    shape = normalize_shape(model.config.to_dict())
+    draft_row = 0
+    if draft_cfg is not None:
+        draft_row = 2 * draft_cfg.num_hidden_layers * draft_cfg.num_key_value_heads * int(draft_cfg.head_dim) * nbytes
+    state = state_bytes_per_slot(shape, nbytes)
+    scratch = 1 if static and not state else 0  # the hybrid runner runs eagerly: no scratch column
+    return SlotCosts(kv_bytes_per_row(shape, nbytes), draft_row, state,
+                     target_extra_rows=block + 1 + scratch, draft_extra_rows=block + 2)
+
+
+def memory_budget(
+    config: EngineConfig, model: Any, draft_cfg: DraftConfig | None, device: torch.device, dtype: torch.dtype,
+    block: int,
+) -> MemoryBudget:
+    """The start-up memory plan: from --kv-cache-memory, or (CUDA) --gpu-memory-utilization less the weights and
+    an activation reserve; ValueError when the setting cannot fit (it says what would). Runs before the caches
+    and the draft's weights are allocated (the draft is counted from its shape)."""
+    nbytes = torch.tensor([], dtype=dtype).element_size()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if draft_cfg is not None:
+        with torch.device("meta"):
+            weights += sum(p.numel() for p in DFlashDraft(draft_cfg).parameters()) * nbytes
+    costs = slot_costs(model, draft_cfg, dtype, block, static=compile_enabled(config.compile, device))
+    slots = config.max_running_requests
+    cache_budget, source = None, "no budget set"
+    if config.kv_cache_memory is not None:
+        cache_budget, source = parse_bytes(config.kv_cache_memory), f"--kv-cache-memory {config.kv_cache_memory}"
+    elif config.gpu_memory_utilization is not None:
+        if device.type != "cuda":
+            raise ValueError(f"--gpu-memory-utilization sizes the caches of a CUDA card; on {device.type} use "
+                             f"--kv-cache-memory")
+        total = torch.cuda.get_device_properties(device).total_memory
+        logits = slots * max(block, 16) * int(model.config.vocab_size) * 4
+        cache_budget = cuda_cache_budget(config.gpu_memory_utilization, total, weights, logits)
+        source = f"--gpu-memory-utilization {config.gpu_memory_utilization} of {total / 1e9:.1f} GB"
+        if cache_budget <= 0:
+            raise ValueError(f"{source} leaves nothing for caches after {weights / 1e9:.2f} GB of weights and the "
+                             f"activation reserve; raise it")
+    model_max = int(getattr(model.config, "max_position_embeddings", 4096))
+    return plan_memory(costs, weights, slots, config.max_model_len, model_max, cache_budget, source)
 
 
 def native_runner(model: Any) -> tuple[type[NativeTarget] | None, str | None]:
@@ -167,7 +260,8 @@ def native_runner(model: Any) -> tuple[type[NativeTarget] | None, str | None]:
 
 
 def make_target(
-    model: Any, layer_ids: list[int] | None, backend: str, max_slots: int, max_model_len: int | None, block: int
+    model: Any, layer_ids: list[int] | None, backend: str, max_slots: int, max_model_len: int | None, block: int,
+    static: StaticShapes | None = None,
 ) -> TargetRunner:
     """The target runner for `backend` (hf, native or auto: native where it runs the model)."""
     if backend not in ("hf", "native", "auto"):
@@ -184,4 +278,8 @@ def make_target(
     if runner is None:
         raise ValueError(f"the native backend does not support {reason}; use backend hf")
     max_len = (max_model_len or int(getattr(model.config, "max_position_embeddings", 4096))) + block + 1
-    return runner(model, layer_ids, max_slots=max_slots, max_len=max_len)
+    if runner is HybridTarget:
+        if static is not None:  # its recurrent layers record per-row state for rollback, in Python
+            log.info("compile: the hybrid runner's steps run eagerly")
+        return runner(model, layer_ids, max_slots=max_slots, max_len=max_len)
+    return runner(model, layer_ids, max_slots=max_slots, max_len=max_len, static=static)

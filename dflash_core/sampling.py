@@ -8,10 +8,13 @@ randomness never depends on what else runs.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
 import torch
+
+from dflash_core.grammar import StructuredOutput
 
 MAX_LOGPROBS = 20
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's rule): logits / t would overflow to inf / NaN
@@ -20,7 +23,13 @@ _MASK64 = (1 << 64) - 1
 
 @dataclass
 class SamplingParams:
-    """Per-request decoding settings (OpenAI semantics; top_k 0 or -1 disables it)."""
+    """Per-request decoding settings (OpenAI semantics; top_k 0 or -1 disables it).
+
+    The logits controls follow vLLM: presence / frequency penalties count OUTPUT tokens, the repetition penalty
+    prompt + output tokens; `logit_bias` maps token ids to a bias in [-100, 100]; `min_p` keeps tokens whose
+    probability is at least min_p times the top one; `min_tokens` bans the stop tokens (EOS, stop_token_ids) until
+    that many tokens were generated. `structured` constrains the output with a grammar. All default to neutral.
+    """
 
     max_tokens: int = 256
     temperature: float = 0.0
@@ -31,6 +40,13 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     stop: list[str] = field(default_factory=list)  # texts that end the output before them (the detokenizer's job)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_p: float = 0.0
+    min_tokens: int = 0
+    structured: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:
@@ -56,6 +72,32 @@ class SamplingParams:
             raise ValueError("stop must be a list of non-empty strings")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if not isinstance(self.logit_bias, dict) or any(
+                isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.logit_bias):
+            raise ValueError("logit_bias must map non-negative token ids to biases")
+        if any(not _is_real(b) or not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise ValueError("structured must be a dflash_core.grammar.StructuredOutput")
+            self.structured.validate()
+
+
+def _is_real(value: object) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def resolve_seed(seed: int | None) -> int:
@@ -73,7 +115,8 @@ def position_uniform(seed: int, position: int) -> float:
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (vLLM order); rows renormalised. logits [n, V] -> probs [n, V] fp32.
+    """Temperature, then min-p, then top-k, then top-p (vLLM order); rows renormalised. logits [n, V] -> probs [n, V]
+    fp32. min-p drops the tokens whose probability (after temperature) is below min_p times the row's top one.
 
     top-k keeps every token whose scaled logit is >= the k-th largest, so ties at the k-th value are all kept (as
     vLLM does). top-p keeps, in order of decreasing probability (ties: lower token id first), each token whose
@@ -86,6 +129,9 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         return onehot
     scores = logits / params.temperature
     vocab = scores.shape[-1]
+    if params.min_p > 0.0:
+        probs = torch.softmax(scores, dim=-1)
+        scores = scores.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * params.min_p, float("-inf"))
     if 0 < params.top_k < vocab:
         kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -102,22 +148,45 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return torch.where(bad, onehot, probs)
 
 
-def choose_tokens(logits: torch.Tensor, params: SamplingParams, seed: int, first_position: int) -> list[int]:
-    """The target's own choice for each row of logits [n, V]; row i picks the token at `first_position + i`."""
+def _signed(value: int) -> int:
+    """A 64-bit constant as the int64 with the same bits."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def position_uniforms(seed: int, first_position: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """`position_uniform(seed, first_position + i)` for i < n, computed on `device` (float64 [n]): the same
+    splitmix64 bits in int64 arithmetic, whose products wrap modulo 2^64 as the masked Python ones do."""
+    pos = torch.arange(first_position + 1, first_position + 1 + n, device=device, dtype=torch.int64)
+    z = pos * _signed(0x9E3779B97F4A7C15) + _signed(seed & _MASK64)
+    z = (z ^ _shr(z, 30)) * _signed(0xBF58476D1CE4E5B9)
+    z = (z ^ _shr(z, 27)) * _signed(0x94D049BB133111EB)
+    z = z ^ _shr(z, 31)
+    return _shr(z, 11).to(torch.float64) / float(1 << 53)
+
+
+def choose_token_tensor(logits: torch.Tensor, params: SamplingParams, seed: int, first_position: int) -> torch.Tensor:
+    """The target's own choice for each row of logits [n, V], on the logits' device (no transfer): row i picks
+    the token at `first_position + i`, with that position's uniform."""
     if params.greedy:
-        return logits.argmax(dim=-1).tolist()
+        return logits.argmax(dim=-1)
     probs = processed_probs(logits, params)
     cdf = probs.cumsum(dim=-1)
-    u = torch.tensor(
-        [position_uniform(seed, first_position + i) for i in range(logits.shape[0])],
-        dtype=cdf.dtype,
-        device=cdf.device,
-    )
+    u = position_uniforms(seed, first_position, logits.shape[0], cdf.device).to(cdf.dtype)
     u = u * cdf[:, -1]
     idx = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]
     # Guard against rounding at the top of the CDF: never pick a zero-probability tail token.
     last_nonzero = vocab_last_nonzero(probs)
-    return torch.minimum(idx, last_nonzero).tolist()
+    return torch.minimum(idx, last_nonzero)
+
+
+def choose_tokens(logits: torch.Tensor, params: SamplingParams, seed: int, first_position: int) -> list[int]:
+    """`choose_token_tensor`, on the host."""
+    return choose_token_tensor(logits, params, seed, first_position).tolist()
 
 
 def vocab_last_nonzero(probs: torch.Tensor) -> torch.Tensor:

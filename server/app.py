@@ -11,6 +11,7 @@ loaded in a background thread so that ``/health`` answers 503 meanwhile.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import AppStatus
@@ -29,23 +31,26 @@ from dflash_core.config import EngineConfig
 from dflash_core.detokenize import TokenStrings
 from dflash_core.loading import DEMO_DRAFT, DEMO_TARGET, LoadedModels, load_models
 from server import __version__
+from server.chat_setup import ChatSetup
 from server.checks import check_auth, check_content_type, check_model, check_ready, read_body
 from server.errors import CLIENT_GONE, error_response, event_error, install_error_handlers
 from server.formatters import ChatFormatter, Choice, CompletionFormatter, ResponseFormatter
+from server.generation_config import GenerationDefaults, load_generation_defaults
 from server.metrics import ServerMetrics
 from server.parsing import Limiter, ParsePool, is_cheap
 from server.prompts import PromptBuilder
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    body_schema,
     new_id,
     now_ts,
     request_schemas,
-    resolve_max_tokens,
 )
-from server.runs import Run, prepare, sampling_params, start_run, tokenize_limiter
+from server.runs import Run, completion_budget, prepare, sampling_params, start_run, tokenize_limiter
 from server.settings import Settings
 from server.streaming import event_stream, first_event, stream_body
+from server.tokenize_routes import install_tokenize_routes
 from server.worker import Worker
 
 log = logging.getLogger("dflash.server")
@@ -61,6 +66,8 @@ class ServerState:
     metrics: ServerMetrics | None = None
     token_strings: TokenStrings | None = None
     prompts: PromptBuilder | None = None
+    chat_setup: ChatSetup | None = None
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     served_model_name: str = ""
     load_error: str | None = None
     parser: ParsePool = field(default_factory=ParsePool)
@@ -85,9 +92,16 @@ class ServerState:
             backend=models.backend,
             max_model_len=models.engine.max_model_len,
         )
+        self.chat_setup = ChatSetup(
+            models.tokenizer, s.reasoning_parser, s.tool_call_parser, s.enable_auto_tool_choice
+        )
+        self.generation_defaults = load_generation_defaults(s.generation_config, models.target_name)
         self.token_strings = TokenStrings(models.tokenizer)
         self.prompts = PromptBuilder(
-            models.tokenizer, models.engine.max_model_len, allow_special_tokens=s.allow_special_tokens
+            models.tokenizer,
+            models.engine.max_model_len,
+            allow_special_tokens=s.allow_special_tokens,
+            chat_template=s.chat_template_text(),
         )
         worker = Worker(
             models.engine,
@@ -165,7 +179,13 @@ def create_app(
     app = FastAPI(title="dflash-serve", version=__version__, lifespan=lifespan)
     app.state.dflash = state
     install_error_handlers(app)
+    origins = settings.origins()
+    if origins:  # --allowed-origins: browsers on those origins may call the API
+        app.add_middleware(
+            CORSMiddleware, allow_origins=origins, allow_methods=["*"], allow_headers=["*"], allow_credentials=False
+        )
     _install_routes(app, state)
+    install_tokenize_routes(app, state)
     _install_openapi(app)
     return app
 
@@ -181,12 +201,6 @@ def _install_openapi(app: FastAPI) -> None:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-
-
-def _body_schema(model: str) -> dict[str, Any]:
-    """``openapi_extra`` of a route whose JSON body is ``model``."""
-    ref = {"$ref": f"#/components/schemas/{model}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
 # --- routes ------------------------------------------------------------------------------------------------
@@ -217,49 +231,63 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         body, content_type = state.metrics.render()
         return Response(body, media_type=None, headers={"Content-Type": content_type})
 
+    def model_card() -> dict[str, Any]:
+        models, _ = check_ready(state)
+        return {
+            "id": state.served_model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "dflash-serve",
+            "root": display_name(models.target_name),
+            "max_model_len": models.engine.max_model_len,
+            "dflash": {"draft": display_name(models.draft_name) or None, "block_size": models.block_size},
+        }
+
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict[str, Any]:
         check_auth(request, state.settings.api_key)
-        models, _ = check_ready(state)
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": state.served_model_name,
-                    "object": "model",
-                    "created": state.created,
-                    "owned_by": "dflash-serve",
-                    "root": display_name(models.target_name),
-                    "max_model_len": models.engine.max_model_len,
-                    "dflash": {"draft": display_name(models.draft_name) or None, "block_size": models.block_size},
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card()]}
 
-    @app.post("/v1/chat/completions", openapi_extra=_body_schema("ChatCompletionRequest"))
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str, request: Request) -> dict[str, Any]:
+        check_auth(request, state.settings.api_key)
+        card = model_card()
+        check_model(model_id, state.served_model_name)
+        return card
+
+    @app.post("/v1/chat/completions", openapi_extra=body_schema("ChatCompletionRequest"))
     async def chat_completions(request: Request) -> Response:
         rid, worker, max_model_len, body, req = await _admit(state, request, "chat", "chatcmpl")
         assert isinstance(req, ChatCompletionRequest) and state.prompts is not None and state.token_strings is not None
         # every message and part costs template work even when empty: they count like characters
         size = sum(len(m.text()) + 1 + (len(m.content) if isinstance(m.content, list) else 0) for m in req.messages)
+        size += sum(len(json.dumps(t.function.parameters or {})) for t in req.tools or [])
         prompt = await prepare(state.tokenize_limiter, size, not is_cheap(body), state.prompts.chat, req)
-        max_tokens = resolve_max_tokens(req.requested_max_tokens(), len(prompt), max_model_len, "messages")
-        params = [sampling_params(req, max_tokens, req.num_logprobs(), i) for i in range(req.n)]
-        run = start_run(worker, request, rid, [prompt], [params])
-        fmt = ChatFormatter(state.token_strings, rid, req)
+        assert state.chat_setup is not None
+        plan, structured = state.chat_setup.plan(req, prompt)
+        defaults = state.generation_defaults
+        max_tokens = completion_budget(req.requested_max_tokens(), len(prompt), max_model_len, "messages", defaults)
+        vocab = state.prompts.vocab_size
+        params = [
+            sampling_params(req, max_tokens, req.num_logprobs(), i, defaults, structured, vocab) for i in range(req.n)
+        ]
+        run = start_run(worker, request, rid, [prompt], [params], req)
+        fmt = ChatFormatter(state.token_strings, rid, req, plan)
         return await _respond(state, run, rid, req, fmt, prompt_tokens=len(prompt))
 
-    @app.post("/v1/completions", openapi_extra=_body_schema("CompletionRequest"))
+    @app.post("/v1/completions", openapi_extra=body_schema("CompletionRequest"))
     async def completions(request: Request) -> Response:
         rid, worker, max_model_len, body, req = await _admit(state, request, "completion", "cmpl")
         assert isinstance(req, CompletionRequest) and state.prompts is not None and state.token_strings is not None
         size = sum(len(p) for p in req.prompts() if isinstance(p, str))
         prompts = await prepare(state.tokenize_limiter, size, not is_cheap(body), state.prompts.completions, req)
         params = []
+        defaults, vocab = state.generation_defaults, state.prompts.vocab_size
         for prompt in prompts:
-            max_tokens = resolve_max_tokens(req.max_tokens, len(prompt), max_model_len, "prompt")
-            params.append([sampling_params(req, max_tokens, req.logprobs, i) for i in range(req.n)])
-        run = start_run(worker, request, rid, prompts, params)
+            max_tokens = completion_budget(req.max_tokens, len(prompt), max_model_len, "prompt", defaults)
+            choices = [sampling_params(req, max_tokens, req.logprobs, i, defaults, None, vocab) for i in range(req.n)]
+            params.append(choices)
+        run = start_run(worker, request, rid, prompts, params, req)
         fmt = CompletionFormatter(state.token_strings, rid, req)
         return await _respond(state, run, rid, req, fmt, prompt_tokens=sum(len(p) for p in prompts))
 
@@ -302,7 +330,7 @@ async def _respond(
             state.settings.sse_ping_interval,
             rid,
         )
-    choices: dict[int, Choice] = {h.index: Choice() for h in run.handles}
+    choices: dict[int, Choice] = {h.index: fmt.new_choice() for h in run.handles}
     try:
         while run.open:
             ev = await run.next()

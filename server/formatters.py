@@ -3,7 +3,9 @@
 
 Both share ``ResponseFormatter``: the response head (id, object, created, model), the accumulated ``Choice`` of
 each index, usage and the ``dflash`` speculative summary. A subclass gives only what differs: the object names,
-one choice of a chunk or of the final response, and the logprobs layout.
+one choice of a chunk or of the final response, and the logprobs layout. Chat reads each choice's text through
+its ``server.chat_output.ChatOutput`` (reasoning, content, tool calls; ``finish_reason`` "tool_calls" when the
+answer is calls).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from dflash_core.stats import SpecSummary
+from server.chat_output import ChatDelta, ChatOutput, OutputPlan
 from server.protocol import ChatCompletionRequest, CompletionRequest, now_ts, usage_dict
 
 if TYPE_CHECKING:
@@ -32,6 +35,7 @@ class Choice:
     spec: SpecSummary = field(default_factory=SpecSummary)
     sent_first: bool = False
     text_offset: int = 0  # characters of the text so far (completion logprobs' text_offset)
+    output: ChatOutput | None = None  # chat: the reader of reasoning and tool calls
 
 
 class ResponseFormatter(ABC):
@@ -56,8 +60,8 @@ class ResponseFormatter(ABC):
     # --- what a subclass gives ---------------------------------------------------------------------------
 
     @abstractmethod
-    def _chunk_choice(self, ev: WorkerEvent, first: bool, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-        """One entry of a chunk's ``choices`` (``first``: the choice's first chunk)."""
+    def _chunk_fields(self, c: Choice, ev: WorkerEvent, first: bool) -> tuple[dict[str, Any], bool]:
+        """The text fields of a chunk's choice (``first``: the choice's first chunk), and whether they are empty."""
 
     @abstractmethod
     def _final_choice(self, index: int, text: str, c: Choice, logprobs: dict[str, Any] | None) -> dict[str, Any]:
@@ -68,6 +72,14 @@ class ResponseFormatter(ABC):
         """The ``logprobs`` object of ``items``, the next tokens of choice ``c``."""
 
     # --- shared ------------------------------------------------------------------------------------------
+
+    def new_choice(self) -> Choice:
+        """The accumulator of one choice."""
+        return Choice()
+
+    def _finish_reason(self, c: Choice, reason: str | None) -> str | None:
+        """The finish reason the client sees."""
+        return reason
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
@@ -90,11 +102,18 @@ class ResponseFormatter(ABC):
         self._record(c, ev)
         lps = ev.logprobs if self.logprobs_on and ev.logprobs else None
         first = not c.sent_first
-        if not (first and self.announces_role) and not ev.text and not lps and ev.finish_reason is None:
+        fields, empty = self._chunk_fields(c, ev, first)
+        if not (first and self.announces_role) and empty and not lps and ev.finish_reason is None:
             return None
         c.sent_first = True
         lp_obj = self._logprobs(c, lps) if lps else None
-        return {**self._head(self.chunk_object), "choices": [self._chunk_choice(ev, first, lp_obj)]}
+        choice = {
+            "index": ev.index,
+            **fields,
+            "logprobs": lp_obj,
+            "finish_reason": self._finish_reason(c, ev.finish_reason),
+        }
+        return {**self._head(self.chunk_object), "choices": [choice]}
 
     def _totals(self, choices: dict[int, Choice], prompt_tokens: int) -> dict[str, Any]:
         completion = sum(c.completion_tokens for c in choices.values())
@@ -123,20 +142,43 @@ class ChatFormatter(ResponseFormatter):
     chunk_object = "chat.completion.chunk"
     announces_role = True
 
-    def __init__(self, tokens: TokenStrings, rid: str, req: ChatCompletionRequest) -> None:
+    def __init__(self, tokens: TokenStrings, rid: str, req: ChatCompletionRequest, plan: OutputPlan) -> None:
         super().__init__(tokens, rid, req.model, logprobs_on=req.logprobs)
+        self.plan = plan
 
-    def _chunk_choice(self, ev: WorkerEvent, first: bool, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-        delta: dict[str, Any] = {"role": "assistant", "content": ev.text} if first else {"content": ev.text}
-        return {"index": ev.index, "delta": delta, "logprobs": logprobs, "finish_reason": ev.finish_reason}
+    def new_choice(self) -> Choice:
+        return Choice(output=self.plan.output())
+
+    def _finish_reason(self, c: Choice, reason: str | None) -> str | None:
+        if reason == "stop" and c.output is not None and c.output.tool_calls:
+            return "tool_calls"
+        return reason
+
+    def _chunk_fields(self, c: Choice, ev: WorkerEvent, first: bool) -> tuple[dict[str, Any], bool]:
+        assert c.output is not None
+        d: ChatDelta = c.output.feed(ev.text)
+        if ev.finish_reason is not None:
+            d = d + c.output.finish()
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if d.reasoning:
+            delta["reasoning_content"] = delta["reasoning"] = d.reasoning
+        if d.content or not (d.reasoning or d.tool_calls):
+            delta["content"] = d.content
+        if d.tool_calls:
+            delta["tool_calls"] = [t.to_dict() for t in d.tool_calls]
+        return {"delta": delta}, not (d.reasoning or d.content or d.tool_calls)
 
     def _final_choice(self, index: int, text: str, c: Choice, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-        return {
-            "index": index,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs,
-            "finish_reason": c.finish_reason,
-        }
+        output = self.plan.output()
+        parts = output.parse(text)
+        message: dict[str, Any] = {"role": "assistant", "content": parts.content}
+        if self.plan.reasoning is not None:
+            message["reasoning_content"] = message["reasoning"] = parts.reasoning or None
+        if parts.tool_calls:
+            message["tool_calls"] = [t.to_dict() for t in parts.tool_calls]
+            message["content"] = parts.content or None
+        reason = "tool_calls" if parts.tool_calls and c.finish_reason == "stop" else c.finish_reason
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
     def _logprobs(self, c: Choice, items: list[TokenLogprob]) -> dict[str, Any]:
         return {
@@ -163,8 +205,8 @@ class CompletionFormatter(ResponseFormatter):
     def __init__(self, tokens: TokenStrings, rid: str, req: CompletionRequest) -> None:
         super().__init__(tokens, rid, req.model, logprobs_on=req.logprobs is not None)
 
-    def _chunk_choice(self, ev: WorkerEvent, first: bool, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-        return {"index": ev.index, "text": ev.text, "logprobs": logprobs, "finish_reason": ev.finish_reason}
+    def _chunk_fields(self, c: Choice, ev: WorkerEvent, first: bool) -> tuple[dict[str, Any], bool]:
+        return {"text": ev.text}, not ev.text
 
     def _final_choice(self, index: int, text: str, c: Choice, logprobs: dict[str, Any] | None) -> dict[str, Any]:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}

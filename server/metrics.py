@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from dflash_core.speculation import width_set
 from dflash_core.stats import mean_acceptance_length
 
 if TYPE_CHECKING:
@@ -121,6 +122,12 @@ class ServerMetrics:
             buckets=[float(i) for i in range(1, block_size + 1)],
             registry=reg,
         )
+        self.verify_width = Histogram(
+            "dflash_spec_decode_verify_width",
+            "Tokens each verify row checked (draft tokens + 1; 1 is a plain step), as the width policy chose.",
+            buckets=[float(w) for w in width_set(block_size)],
+            registry=reg,
+        )
         self.ttft = Histogram(
             "dflash_time_to_first_token_seconds",
             "Time from arrival to the first generated token.",
@@ -161,6 +168,13 @@ class ServerMetrics:
             registry=reg,
         )
         self.tokens_per_second.set_function(self._window_rate)
+        self.estimated_speedup = Gauge(
+            "dflash_spec_decode_estimated_speedup",
+            "Estimated speedup over plain decoding at the current load: committed tokens per second of recent "
+            "steps over what plain steps of the same batch would give (measured step costs; 1 without a draft).",
+            registry=reg,
+        )
+        self.estimated_speedup.set(1.0)
         self.model_info = Gauge(
             "dflash_model_info",
             "Served model pair (value is always 1).",
@@ -193,11 +207,18 @@ class ServerMetrics:
             self._n_running = running
             self._n_waiting = waiting
 
+    def set_estimated_speedup(self, value: float | None) -> None:
+        """Publish the engine's speedup estimate (None: not measured yet, the gauge keeps its value)."""
+        if value is not None:
+            self.estimated_speedup.set(value)
+
     def observe_step(self, out: StepOutput, now: float) -> None:
-        """Count one engine ``StepOutput``: tokens, spec-decode counters, acceptance length."""
+        """Count one engine ``StepOutput``: tokens, spec-decode counters, acceptance length, verify width."""
         n_new = len(out.new_token_ids)
         if n_new:
             self.generation_tokens.inc(n_new)
+        if out.verify_width > 0:
+            self.verify_width.observe(out.verify_width)
         drafted = out.num_draft_tokens > 0
         if drafted:
             self.num_drafts.inc()

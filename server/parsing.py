@@ -27,7 +27,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request, retry_later
+from server.protocol import AnyRequest, APIError, parse_request, retry_later
 
 log = logging.getLogger("dflash.server")
 
@@ -171,7 +171,7 @@ class ParsePool:
 
     async def parse(
         self, kind: str, body: bytes, max_model_len: int | None
-    ) -> ChatCompletionRequest | CompletionRequest:
+    ) -> AnyRequest:
         """The validated request (APIError 400 for a bad body, 429 when too many big bodies wait, 503 when a
         helper takes over ``PARSE_TIMEOUT_S``)."""
         if is_cheap(body):

@@ -42,7 +42,9 @@ from dflash_core.chat import NoChatTemplateError, has_chat_template, render_chat
 from server.protocol import (
     APIError,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
+    TokenizeRequest,
     check_min_prompt_tokens,
 )
 
@@ -194,6 +196,121 @@ def special_token_ids(tokenizer: Any) -> frozenset[int]:
     return frozenset(i for i, t in decoder.items() if getattr(t, "special", False))
 
 
+# Sentinels stand for client strings in a second rendering; private-use characters stay as they are in JSON.
+_SENTINEL_OPEN, _SENTINEL_CLOSE = "\ue000", "\ue001"
+
+
+def _SENTINEL_RE(nonce: str) -> re.Pattern[str]:  # noqa: N802 - a pattern factory
+    return re.compile(f"{_SENTINEL_OPEN}{nonce}\\.(\\d+){_SENTINEL_CLOSE}")
+
+
+def _message_dict(m: ChatMessage) -> dict[str, Any]:
+    """A message as the chat template sees it (``developer`` is ``system``; tool-call arguments as an object
+    when they are one, as vLLM passes them)."""
+    msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.name is not None:
+        msg["name"] = m.name
+    if m.tool_call_id is not None:
+        msg["tool_call_id"] = m.tool_call_id
+    if m.reasoning_text() is not None:
+        msg["reasoning_content"] = m.reasoning_text()
+    if m.tool_calls:
+        calls = []
+        for c in m.tool_calls:
+            try:
+                arguments: Any = json.loads(c.function.arguments)
+            except ValueError:
+                arguments = c.function.arguments
+            if not isinstance(arguments, dict):
+                arguments = c.function.arguments
+            function = {"name": c.function.name, "arguments": arguments}
+            calls.append({"id": c.id, "type": "function", "function": function})
+        msg["tool_calls"] = calls
+    return msg
+
+
+def _mask_free(value: Any, sentinel: Any) -> Any:
+    """Every string of a free-form JSON value (keys too) replaced by its sentinel."""
+    if isinstance(value, str):
+        return sentinel(value)
+    if isinstance(value, list):
+        return [_mask_free(v, sentinel) for v in value]
+    if isinstance(value, dict):
+        return {sentinel(k): _mask_free(v, sentinel) for k, v in value.items()}
+    return value
+
+
+def _mask_schema(value: Any, sentinel: Any) -> Any:
+    """A JSON schema with its string values and property names replaced (its keywords kept: templates read them)."""
+    if isinstance(value, str):
+        return sentinel(value)
+    if isinstance(value, list):
+        return [_mask_schema(v, sentinel) for v in value]
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if k == "properties" and isinstance(v, dict):
+                out[k] = {sentinel(name): _mask_schema(sub, sentinel) for name, sub in v.items()}
+            else:
+                out[k] = _mask_schema(v, sentinel)
+        return out
+    return value
+
+
+def _mask_message(msg: dict[str, Any], sentinel: Any) -> dict[str, Any]:
+    out = dict(msg, content=sentinel(msg["content"]))
+    for key in ("name", "tool_call_id", "reasoning_content"):
+        if key in msg:
+            out[key] = sentinel(msg[key])
+    if "tool_calls" in msg:
+        out["tool_calls"] = [
+            {
+                **c,
+                "id": sentinel(c["id"]),
+                "function": {
+                    "name": sentinel(c["function"]["name"]),
+                    "arguments": _mask_free(c["function"]["arguments"], sentinel),
+                },
+            }
+            for c in msg["tool_calls"]
+        ]
+    return out
+
+
+def _mask_tool(tool: dict[str, Any], sentinel: Any) -> dict[str, Any]:
+    fn = dict(tool["function"])
+    fn["name"] = sentinel(fn["name"])
+    if "description" in fn:
+        fn["description"] = sentinel(fn["description"])
+    if "parameters" in fn:
+        fn["parameters"] = _mask_schema(fn["parameters"], sentinel)
+    return {**tool, "function": fn}
+
+
+def _splice(text: str, parts: list[str], values: list[str]) -> list[tuple[str, str]] | None:
+    """``text`` as (template part, client string) pairs, each string as written or JSON-escaped; None when the
+    rendering with sentinels does not line up with ``text`` (the template changed client text)."""
+    out: list[tuple[str, str]] = []
+    pos = 0
+    for k, part in enumerate(parts):
+        if not text.startswith(part, pos):
+            return None
+        pos += len(part)
+        if k == len(values):
+            out.append((part, ""))
+            break
+        nxt = parts[k + 1]
+        value = values[k]
+        for form in (value, json.dumps(value, ensure_ascii=False)[1:-1]):
+            if text.startswith(form + nxt[:1], pos) or (not nxt and text.startswith(form, pos)):
+                out.append((part, form))
+                pos += len(form)
+                break
+        else:
+            return None
+    return out if pos == len(text) else None
+
+
 def _no_chat_template() -> APIError:
     """The 400 of a chat request to a model without a chat template (``dflash_core.chat`` refuses to guess one)."""
     return APIError(400, "this model has no chat template; use /v1/completions", param="messages")
@@ -202,10 +319,13 @@ def _no_chat_template() -> APIError:
 class PromptBuilder:
     """Turns requests into prompt token ids for one tokenizer (thread-safe; runs in a thread pool)."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, allow_special_tokens: bool = False) -> None:
+    def __init__(
+        self, tokenizer: Any, max_model_len: int, allow_special_tokens: bool = False, chat_template: str | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.allow_special_tokens = allow_special_tokens
+        self.chat_template = chat_template  # --chat-template: used instead of the tokenizer's (a request's wins)
         self.bound = token_bound(tokenizer)
         self.special_ids = special_token_ids(tokenizer)
         self.vocab_size = len(tokenizer)
@@ -255,25 +375,40 @@ class PromptBuilder:
         except (jinja2.TemplateError, TypeError, ValueError, KeyError) as e:  # e.g. roles that do not alternate
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
 
-    def chat(self, req: ChatCompletionRequest) -> list[int]:
-        """Render the chat template and tokenize it; message text never becomes special tokens."""
-        if not has_chat_template(self.tokenizer):  # before the kwargs checks: the first thing to fix
-            raise _no_chat_template()
+    def _template_kwargs(self, req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
+        """What the template receives beside the messages: the client's kwargs (checked), then the request's
+        fields (tools, generation prompt, template, thinking)."""
         kwargs = dict(req.chat_template_kwargs or {})
         bad = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
         if bad:
             raise APIError(400, f"chat_template_kwargs may not set {', '.join(bad)}", param="chat_template_kwargs")
         self.check_template_kwargs(kwargs)
-        kwargs.setdefault("add_generation_prompt", True)
-        messages: list[dict[str, Any]] = []
-        for m in req.messages:
-            msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            if m.name is not None:
-                msg["name"] = m.name
-            messages.append(msg)
+        kwargs.setdefault("add_generation_prompt", req.add_generation_prompt)
+        if req.continue_final_message:
+            kwargs["continue_final_message"] = True
+        if req.tools:
+            kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+        template = req.chat_template if req.chat_template is not None else self.chat_template
+        if template is not None:
+            kwargs["chat_template"] = template
+        if isinstance(req, ChatCompletionRequest) and req.reasoning_effort is not None:
+            kwargs.setdefault("enable_thinking", req.reasoning_effort != "none")
+            kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+        return kwargs
+
+    def chat(self, req: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+        """Render the chat template and tokenize it; message text never becomes special tokens."""
+        no_template = req.chat_template is None and self.chat_template is None
+        if no_template and not has_chat_template(self.tokenizer):  # before the kwargs checks
+            raise _no_chat_template()
+        kwargs = self._template_kwargs(req)
+        messages = [_message_dict(m) for m in req.messages or []]
         text = self._render(messages, kwargs)
-        self.check_fits(text, req.requested_max_tokens(), "messages")
+        requested = req.requested_max_tokens() if isinstance(req, ChatCompletionRequest) else None
+        self.check_fits(text, requested, "messages")
         ids = self._ids(text)
+        if isinstance(req, TokenizeRequest) and req.add_special_tokens:
+            ids = list(self.tokenizer.build_inputs_with_special_tokens(ids))
         if self.allow_special_tokens or not self.special_ids:
             return ids
         return self._keep_content_as_text(messages, kwargs, text, ids)
@@ -281,27 +416,32 @@ class PromptBuilder:
     def _keep_content_as_text(
         self, messages: list[dict[str, Any]], kwargs: dict[str, Any], text: str, ids: list[int]
     ) -> list[int]:
-        """``ids`` when message text added no special token; else the text re-tokenized with content as text."""
+        """``ids`` when client text added no special token; else the text re-tokenized with client text as text.
+
+        Client text is every message string, tool-call names and arguments, and the tool definitions. A template
+        may write a string as it is or as JSON (``tojson``), so each slot matches either form.
+        """
         nonce = secrets.token_hex(8)
         strings: list[str] = []
 
         def sentinel(value: str) -> str:
             strings.append(value)
-            return f"\x00{nonce}.{len(strings) - 1}\x00"
+            return f"{_SENTINEL_OPEN}{nonce}.{len(strings) - 1}{_SENTINEL_CLOSE}"
 
-        masked = []
-        for msg in messages:
-            copy = dict(msg, content=sentinel(msg["content"]))
-            if "name" in msg:
-                copy["name"] = sentinel(msg["name"])
-            masked.append(copy)
-        masked_text = self._render(masked, kwargs)
+        masked = [_mask_message(msg, sentinel) for msg in messages]
+        masked_kwargs = dict(kwargs)
+        if "tools" in kwargs:
+            masked_kwargs["tools"] = [_mask_tool(t, sentinel) for t in kwargs["tools"]]
+        try:
+            masked_text = self._render(masked, masked_kwargs)
+        except APIError:
+            masked_text = None  # the template reads client text (a tool's schema): it cannot be masked
         found = [t for t in ids if t in self.special_ids]
-        if found == [t for t in self._ids(masked_text) if t in self.special_ids]:
+        if masked_text is not None and found == [t for t in self._ids(masked_text) if t in self.special_ids]:
             return ids  # the template's own special tokens and no others
-        pieces = re.split(f"\x00{nonce}\\.(\\d+)\x00", masked_text)
-        parts, slots = pieces[0::2], [strings[int(i)] for i in pieces[1::2]]
-        if "".join(p + s for p, s in zip(parts, [*slots, ""], strict=True)) != text:
+        pieces = [] if masked_text is None else _SENTINEL_RE(nonce).split(masked_text)
+        spliced = _splice(text, pieces[0::2], [strings[int(i)] for i in pieces[1::2]]) if pieces else None
+        if spliced is None:
             names = [self.tokenizer.convert_ids_to_tokens(t) for t in sorted(self.special_ids)]
             example = next((n for n in names if any(n in s for s in strings)), None)
             raise APIError(
@@ -312,12 +452,17 @@ class PromptBuilder:
                 param="messages",
             )
         out: list[int] = []
-        for part, value in zip(parts, [*slots, ""], strict=True):
+        for part, value in spliced:
             if part:
                 out.extend(self._ids(part))
             if value:
                 out.extend(self._ids(value, special=False))
         return out
+
+    def tokenize_prompt(self, text: str, add_special_tokens: bool) -> list[int]:
+        """A raw text's token ids (``/tokenize``; special-token text stays special, as in a completion prompt)."""
+        self.check_fits(text, None, "prompt")
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def completions(self, req: CompletionRequest) -> list[list[int]]:
         """Tokenize each prompt of a completion request (special-token text stays special: a raw prompt)."""

@@ -2,13 +2,22 @@
 
 Requests are validated strictly (a string is not a number); every problem becomes a 400 with the
 OpenAI error envelope, never FastAPI's 422. Fields of the OpenAI API that we do not implement are
-accepted only with their neutral value (e.g. ``presence_penalty: 0``); anything else names the field
-in a 400. Unknown fields are rejected the same way.
+accepted only with their neutral value (e.g. ``best_of: 1``); anything else names the field in a 400.
+Fields that cannot change the output (``prompt_cache_key``, ``safety_identifier``, ``metadata``, ``store``,
+``stream_options.include_obfuscation`` / ``continuous_usage_stats``) are accepted and ignored. Unknown fields
+are rejected with a 400 naming them.
 
-Extensions (vLLM-style, outside the OpenAI schema): ``top_k``, ``ignore_eos``, ``stop_token_ids`` and, for
-chat, ``chat_template_kwargs`` in requests; in responses, and in the final usage chunk of a stream, a
-``dflash`` object with the speculative summary summed over choices: ``num_drafts`` (verify steps with a
-draft), ``num_draft_tokens``, ``num_accepted_tokens`` and ``mean_acceptance_length`` (1 + accepted / drafts).
+Implemented beyond the basics: sampling controls (``presence_penalty``, ``frequency_penalty``,
+``repetition_penalty``, ``logit_bias`` with string token-id keys, ``min_p``, ``min_tokens``), and for chat
+``tools`` / ``tool_choice`` / ``parallel_tool_calls``, ``tool`` messages and assistant ``tool_calls``,
+``response_format`` (``text``, ``json_object``, ``json_schema``), ``reasoning_effort``.
+
+Extensions (vLLM-style, outside the OpenAI schema): ``top_k``, ``ignore_eos``, ``stop_token_ids``,
+``repetition_penalty``, ``min_p``, ``min_tokens``, ``skip_special_tokens``, ``include_stop_str_in_output`` and, for
+chat, ``chat_template_kwargs``, ``chat_template``, ``add_generation_prompt``, ``continue_final_message`` in
+requests; in responses, and in the final usage chunk of a stream, a ``dflash`` object with the speculative summary
+summed over choices: ``num_drafts`` (verify steps with a draft), ``num_draft_tokens``, ``num_accepted_tokens`` and
+``mean_acceptance_length`` (1 + accepted / drafts). ``/tokenize`` and ``/detokenize`` take vLLM's shapes.
 """
 
 from __future__ import annotations
@@ -108,12 +117,6 @@ def _neutral(*values: Any) -> Any:
 
 
 _COMMON_UNSUPPORTED: dict[str, Any] = {
-    "presence_penalty": _neutral(0),
-    "frequency_penalty": _neutral(0),
-    "repetition_penalty": _neutral(1),
-    "logit_bias": _neutral({}),
-    "min_p": _neutral(0),
-    "min_tokens": _neutral(0),
     "best_of": _neutral(1),
     "use_beam_search": _neutral(False),
     "length_penalty": _neutral(1),
@@ -123,22 +126,15 @@ _COMMON_UNSUPPORTED: dict[str, Any] = {
     "guided_grammar": _neutral(),
     "prompt_logprobs": _neutral(),
     "service_tier": _neutral("auto", "default"),
-    "store": _neutral(False),
-    "metadata": _neutral({}),
 }
 
 _CHAT_UNSUPPORTED: dict[str, Any] = {
     **_COMMON_UNSUPPORTED,
-    "tools": _neutral([]),
-    "tool_choice": _neutral("none"),
     "functions": _neutral([]),
     "function_call": _neutral("none"),
-    "parallel_tool_calls": lambda v: v is None or isinstance(v, bool),
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "audio": _neutral(),
     "modalities": _neutral(["text"]),
     "prediction": _neutral(),
-    "reasoning_effort": _neutral(),
     "web_search_options": _neutral(),
     "verbosity": _neutral(),
 }
@@ -172,17 +168,39 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # accepted, ignored (no obfuscation padding is sent)
+    continuous_usage_stats: bool | None = None  # accepted, ignored (usage comes in the final chunk)
+
+
+# --- chat messages and tools ----------------------------------------------------------------------------
+
+
+class ToolCallFunction(_Strict):
+    name: str = Field(min_length=1)
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallItem(_Strict):
+    """An assistant message's tool call (as the API returned it)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict[str, Any]]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    reasoning_content: str | None = None  # assistant: earlier reasoning, echoed back by some clients
+    reasoning: str | None = None  # the same, under vLLM's newer name
 
     @field_validator("content")
     @classmethod
-    def _text_parts(cls, v: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
-        if isinstance(v, str):
+    def _text_parts(cls, v: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        if v is None or isinstance(v, str):
             return v
         for part in v:
             kind = part.get("type")
@@ -195,11 +213,71 @@ class ChatMessage(_Strict):
                 raise ValueError(f"unsupported content part field(s): {', '.join(sorted(extra))}")
         return v
 
+    @model_validator(mode="after")
+    def _fields_of_role(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"content: a {self.role} message needs content (null only beside assistant tool_calls)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only assistant messages carry tool calls")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id: only tool messages carry a tool_call_id")
+        return self
+
     def text(self) -> str:
-        """The content as one string (text parts joined)."""
+        """The content as one string (text parts joined; "" for null content)."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p["text"] for p in self.content)
+
+    def reasoning_text(self) -> str | None:
+        """Earlier reasoning of an assistant message, under either name."""
+        return self.reasoning_content if self.reasoning_content is not None else self.reasoning
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema (None: no arguments)
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema: response_format type 'json_schema' needs a 'json_schema' object")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"json_schema: not allowed with response_format type '{self.type}'")
+        return self
+
+
+# --- requests -------------------------------------------------------------------------------------------
 
 
 class _SamplingFields(_Strict):
@@ -207,14 +285,27 @@ class _SamplingFields(_Strict):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (a string in JSON) -> bias in [-100, 100]
+    min_tokens: int = Field(default=0, ge=0)
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # accepted and ignored: they cannot change the output
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
 
     @field_validator("stop")
     @classmethod
@@ -224,6 +315,16 @@ class _SamplingFields(_Strict):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         if any(s == "" for s in items):
             raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
         return v
 
     @model_validator(mode="after")
@@ -242,6 +343,14 @@ class _SamplingFields(_Strict):
         """Whether a final usage chunk is asked for."""
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def token_biases(self) -> dict[int, float]:
+        """``logit_bias`` with integer token ids."""
+        return {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
+
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -249,7 +358,15 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -258,10 +375,38 @@ class ChatCompletionRequest(_SamplingFields):
         return _drop_neutral(data, _CHAT_UNSUPPORTED)
 
     @model_validator(mode="after")
-    def _logprobs(self) -> ChatCompletionRequest:
+    def _consistent(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt to be false")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be an assistant message")
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise ValueError("tool_choice: needs tools (it names a tool or asks for one)")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in self.tool_names():
+            raise ValueError(f"tool_choice: no tool named {choice.function.name!r} in tools")
+        if self.tools and len(set(self.tool_names())) != len(self.tools):
+            raise ValueError("tools: two tools have the same name")
+        if self.response_format is not None and self.response_format.type != "text" and self.forced_tool():
+            raise ValueError("response_format: cannot be combined with a required or named tool_choice")
         return self
+
+    def tool_names(self) -> list[str]:
+        """The names of the request's tools."""
+        return [t.function.name for t in self.tools or []]
+
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """``tool_choice`` with OpenAI's default: "auto" when tools are given, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def forced_tool(self) -> bool:
+        """Whether the answer must be a tool call (``required`` or a named tool)."""
+        choice = self.effective_tool_choice()
+        return choice == "required" or isinstance(choice, NamedToolChoice)
 
     def requested_max_tokens(self) -> int | None:
         """max_completion_tokens wins over the older max_tokens."""
@@ -325,6 +470,44 @@ class CompletionRequest(_SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
 
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM's shape): a ``prompt``, or ``messages`` rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template has them)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _count(cls, data: Any, info: ValidationInfo) -> Any:
+        _check_message_count(data, (info.context or {}).get("max_model_len"))
+        return data
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' and 'messages'")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt to be false")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM's shape)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def validation_error_to_api(e: ValidationError) -> APIError:
     """Turn a pydantic error into a 400 naming the first offending field."""
     err = e.errors(include_url=False)[0]
@@ -342,6 +525,9 @@ def validation_error_to_api(e: ValidationError) -> APIError:
         msg = f"{param}: {msg}"
     if msg.startswith("unsupported field '"):
         param = msg.split("'")[1]
+    head, sep, _ = str(err["msg"]).removeprefix("Value error, ").partition(": ")
+    if sep and err["type"] == "value_error" and head.isidentifier():
+        param = f"{param}.{head}" if param else head  # a check over several fields names its field first
     return APIError(400, msg, param=param)
 
 
@@ -349,16 +535,17 @@ def _is_union_tag(x: Any) -> bool:
     return isinstance(x, str) and ("[" in x or x in {"str", "int", "float", "bool", "list", "dict"})
 
 
-REQUEST_MODELS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
+AnyRequest = ChatCompletionRequest | CompletionRequest | TokenizeRequest | DetokenizeRequest
+REQUEST_MODELS: dict[str, type[AnyRequest]] = {
     "chat": ChatCompletionRequest,
     "completion": CompletionRequest,
+    "tokenize": TokenizeRequest,
+    "detokenize": DetokenizeRequest,
 }
 
 
-def parse_request(
-    kind: str, body: bytes, max_model_len: int | None = None
-) -> ChatCompletionRequest | CompletionRequest:
-    """Parse and validate a JSON body (``kind``: "chat" or "completion"); APIError 400 on any problem.
+def parse_request(kind: str, body: bytes, max_model_len: int | None = None) -> AnyRequest:
+    """Parse and validate a JSON body (``kind``: a key of ``REQUEST_MODELS``); APIError 400 on any problem.
 
     With ``max_model_len``, token-id prompts and message lists that cannot fit the context are refused here as
     well, so that a parse helper process never sends millions of objects back only for them to be refused.
@@ -432,6 +619,12 @@ def request_schemas() -> dict[str, Any]:
         out.update(schema.pop("$defs", {}))
         out[model.__name__] = schema
     return out
+
+
+def body_schema(model: str) -> dict[str, Any]:
+    """A route's ``openapi_extra`` for a JSON body of the request model named ``model``."""
+    ref = {"$ref": f"#/components/schemas/{model}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
 # --- responses ------------------------------------------------------------------------------------------

@@ -17,9 +17,11 @@ from typing import Any
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
+from dflash_core.grammar import StructuredOutput
 from dflash_core.sampling import SamplingParams
+from server.generation_config import GenerationDefaults
 from server.parsing import Limiter
-from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, retry_later
+from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, resolve_max_tokens, retry_later
 from server.worker import QueueFullError, RequestHandle, Worker, WorkerEvent
 
 log = logging.getLogger("dflash.server")
@@ -27,6 +29,7 @@ log = logging.getLogger("dflash.server")
 TOKENIZE_LIMIT_CHARS = 32 * 1024  # prompts longer than this take one of TOKENIZE_CONCURRENCY slots
 TOKENIZE_CONCURRENCY = max(2, min(8, (os.cpu_count() or 2) // 2))
 TOKENIZE_MAX_WAITING = 256  # long prompts waiting for a slot beyond which a 429 answers
+NO_DEFAULTS = GenerationDefaults()
 
 
 def tokenize_limiter() -> Limiter:
@@ -44,25 +47,61 @@ async def prepare(limiter: Limiter, size: int, big: bool, fn: Callable[..., Any]
 
 
 def sampling_params(
-    req: ChatCompletionRequest | CompletionRequest, max_tokens: int, logprobs: int | None, i: int
+    req: ChatCompletionRequest | CompletionRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    i: int,
+    defaults: GenerationDefaults = NO_DEFAULTS,
+    structured: StructuredOutput | None = None,
+    vocab_size: int | None = None,
 ) -> SamplingParams:
-    """The engine's parameters for choice ``i`` of ``req`` (400 when impossible); seeds differ per choice."""
+    """The engine's parameters for choice ``i`` of ``req`` (400 when impossible); seeds differ per choice.
+
+    A field the request omits takes the model's generation default (``--generation-config``), else the neutral
+    value; ``structured`` is the request's output constraint (``server.constraints``).
+    """
+    biases = req.token_biases()
+    if vocab_size is not None and any(t >= vocab_size for t in biases):
+        raise APIError(400, f"logit_bias: token ids must be in [0, {vocab_size})", param="logit_bias")
     params = SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else float(req.temperature),
-        top_p=1.0 if req.top_p is None else float(req.top_p),
-        top_k=0 if req.top_k is None else req.top_k,
+        temperature=float(_first(req.temperature, defaults.temperature, 1.0)),
+        top_p=float(_first(req.top_p, defaults.top_p, 1.0)),
+        top_k=int(_first(req.top_k, defaults.top_k, 0)),
+        min_p=float(_first(req.min_p, defaults.min_p, 0.0)),
+        repetition_penalty=float(_first(req.repetition_penalty, defaults.repetition_penalty, 1.0)),
+        presence_penalty=float(_first(req.presence_penalty, 0.0)),
+        frequency_penalty=float(_first(req.frequency_penalty, 0.0)),
+        logit_bias=biases,
+        min_tokens=req.min_tokens,
         seed=None if req.seed is None else req.seed + i,
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         stop=req.stop_list(),
+        structured=structured,
     )
     try:
         params.validate()
     except ValueError as e:
         raise APIError(400, str(e)) from None
     return params
+
+
+def _first(*values: Any) -> Any:
+    """The first value that is not None."""
+    return next(v for v in values if v is not None)
+
+
+def completion_budget(
+    requested: int | None, prompt_len: int, max_model_len: int, prompt_param: str, defaults: GenerationDefaults
+) -> int:
+    """``max_tokens`` of one prompt: the request's, else the model's default (``max_new_tokens``) within the
+    context, else the rest of the context (400 ``context_length_exceeded`` when it cannot fit)."""
+    budget = resolve_max_tokens(requested, prompt_len, max_model_len, prompt_param)
+    if requested is None and defaults.max_tokens is not None:
+        budget = min(budget, defaults.max_tokens)
+    return budget
 
 
 class Run:
@@ -120,8 +159,10 @@ def start_run(
     rid: str,
     prompts: list[list[int]],
     params: list[list[SamplingParams]],
+    req: ChatCompletionRequest | CompletionRequest,
 ) -> Run:
-    """Submit one engine request per (prompt, choice): 400 beyond the server's capacity, 429 when it is full."""
+    """Submit one engine request per (prompt, choice): 400 beyond the server's capacity, 429 when it is full.
+    ``req`` gives the text options (``skip_special_tokens``, ``include_stop_str_in_output``)."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[WorkerEvent] = asyncio.Queue()
     handles = []
@@ -136,6 +177,8 @@ def start_run(
                     loop=loop,
                     queue=queue,
                     request_id=f"{rid}-{index}",
+                    skip_special_tokens=req.skip_special_tokens,
+                    include_stop_str=req.include_stop_str_in_output,
                 )
             )
     if len(handles) > worker.capacity:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import types
@@ -21,6 +22,9 @@ from typing import Any, NoReturn
 import yaml
 
 from dflash_core.config import EngineConfig
+from server.generation_config import GENERATION_CONFIG_MODES
+from server.reasoning import REASONING_STYLES
+from server.tools import TOOL_PARSERS
 
 ENV_PREFIX = "DFLASH_"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -65,6 +69,48 @@ class Settings(EngineConfig):
         "cannot forge turns",
     )
     sse_ping_interval: float = _setting(15.0, "seconds between SSE keep-alive comments on quiet streams")
+    speculative_config: str | None = _setting(
+        None,
+        "vLLM's spelling of the draft, as JSON: {\"method\": \"dflash\", \"model\": DRAFT, "
+        "\"num_speculative_tokens\": N} sets --draft DRAFT and --block-size N+1 (default: none)",
+    )
+    generation_config: str = _setting(
+        "auto",
+        "sampling defaults for fields a request omits: auto (the target's generation_config.json, as vLLM), "
+        "none, or a folder holding a generation_config.json",
+    )
+    chat_template: str | None = _setting(
+        None, "chat template (a file, or the template text) instead of the model's (default: the model's)"
+    )
+    reasoning_parser: str | None = _setting(
+        None, "move thinking text to reasoning_content: qwen3 or deepseek_r1 (default: none, thinking stays content)"
+    )
+    tool_call_parser: str | None = _setting(
+        None,
+        "read tool calls from the model's text: hermes (Qwen, Hermes) or llama3_json (Llama 3.x) (default: none; "
+        "tool_choice required / named then use hermes)",
+    )
+    enable_auto_tool_choice: bool = _setting(
+        False, "let the model decide to call tools (tool_choice auto); needs --tool-call-parser"
+    )
+    allowed_origins: str | None = _setting(
+        None, "CORS: origins allowed to call the API from a browser, a JSON list such as '[\"*\"]' (default: none)"
+    )
+
+    def __post_init__(self) -> None:
+        """Apply ``speculative_config`` to the engine fields, then validate."""
+        if self.speculative_config is not None:
+            draft, block_size = parse_speculative_config(self.speculative_config)
+            if self.draft is not None and self.draft != draft:
+                raise ValueError(f"draft {self.draft!r} and speculative_config's model {draft!r} differ")
+            if block_size is not None and self.block_size is not None and self.block_size != block_size:
+                raise ValueError(
+                    f"block_size {self.block_size} and speculative_config's num_speculative_tokens + 1 "
+                    f"({block_size}) differ"
+                )
+            object.__setattr__(self, "draft", draft)
+            object.__setattr__(self, "block_size", block_size if block_size is not None else self.block_size)
+        super().__post_init__()
 
     def validate(self) -> None:
         """Raise ValueError on an impossible setting (the engine's first; runs on construction)."""
@@ -86,6 +132,54 @@ class Settings(EngineConfig):
                 raise ValueError(f"{name} must be > 0")
         if self.shutdown_timeout < 0:
             raise ValueError("shutdown_timeout must be >= 0")
+        self._validate_api_surface()
+
+    def _validate_api_surface(self) -> None:
+        """The parsers, the chat template, CORS origins and generation defaults."""
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_STYLES:
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(REASONING_STYLES)}, got {self.reasoning_parser!r}"
+            )
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (hermes or llama3_json)")
+        if self.chat_template is not None:
+            self.chat_template_text()
+        self.origins()
+        mode = self.generation_config
+        if mode not in GENERATION_CONFIG_MODES and not os.path.isdir(os.path.expanduser(mode)):
+            raise ValueError(f"generation_config must be auto, none or a folder, got {mode!r}")
+
+    def chat_template_text(self) -> str | None:
+        """The ``chat_template`` setting's template: a file's text, or the setting itself when it is a template."""
+        value = self.chat_template
+        if value is None:
+            return None
+        path = os.path.expanduser(value)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        if "{{" in value or "{%" in value:
+            return value
+        raise ValueError(f"chat_template: {value!r} is neither a file nor a template")
+
+    def origins(self) -> list[str]:
+        """The CORS origins (``allowed_origins``: a JSON list, or comma-separated)."""
+        raw = (self.allowed_origins or "").strip()
+        if not raw:
+            return []
+        if raw.startswith("["):
+            try:
+                value = json.loads(raw)
+            except ValueError:
+                value = None
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"allowed_origins must be a JSON list of strings, got {raw!r}")
+            return value
+        return [v.strip() for v in raw.split(",") if v.strip()]
 
     def public_dict(self) -> dict[str, Any]:
         """Settings for logs, the API key masked."""
@@ -96,6 +190,36 @@ class Settings(EngineConfig):
 
 
 _FIELDS = {f.name: f for f in fields(Settings)}
+# vLLM's spellings of our flags (the flag of each setting stays too)
+FLAG_ALIASES = {"target": ("--model",), "max_running_requests": ("--max-num-seqs",)}
+SPECULATIVE_METHODS = ("dflash",)
+_SPECULATIVE_KEYS = frozenset({"method", "model", "num_speculative_tokens"})
+
+
+def parse_speculative_config(raw: str) -> tuple[str, int | None]:
+    """(draft, block size or None) of a ``--speculative-config`` JSON object (ValueError naming the problem)."""
+    try:
+        spec = json.loads(raw)
+    except ValueError:
+        raise ValueError(f"speculative_config must be a JSON object, got {raw!r}") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"speculative_config must be a JSON object, got {raw!r}")  # noqa: TRY004 - a settings error
+    unknown = sorted(set(spec) - _SPECULATIVE_KEYS)
+    if unknown:
+        raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: method, model, "
+                         "num_speculative_tokens")
+    method = spec.get("method", "dflash")
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_config.method must be 'dflash', got {method!r}")
+    draft = spec.get("model")
+    if not isinstance(draft, str) or not draft:
+        raise ValueError("speculative_config.model must name the DFlash draft (a folder or hub id)")
+    n = spec.get("num_speculative_tokens")
+    if n is None:
+        return draft, None
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"speculative_config.num_speculative_tokens must be a positive integer, got {n!r}")
+    return draft, n + 1
 
 
 def _base_type(name: str) -> type:
@@ -118,6 +242,8 @@ def convert(name: str, raw: Any, source: str) -> Any:
         if _is_optional(name):
             return None
         raise ValueError(f"{source}: '{name}' must not be empty")
+    if base is str and isinstance(raw, (list, dict)):  # a YAML list or mapping for a JSON setting
+        return json.dumps(raw)
     if base is bool:
         if isinstance(raw, bool):
             return raw
@@ -187,8 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
         "Precedence: flag > DFLASH_* environment > --config YAML > default.",
     )
     p.add_argument("--config", default=None, help="YAML file whose keys are setting names (env: DFLASH_CONFIG)")
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL", help="the target (vLLM style): same as --target")
     for f in fields(Settings):
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *FLAG_ALIASES.get(f.name, ())]
         help_text = f.metadata.get("help", "")
         if f.default is not None:  # a None default is described in the help text itself
             default = ("on" if f.default else "off") if isinstance(f.default, bool) else f.default
@@ -196,9 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
         help_text = f"{help_text} (env: {ENV_PREFIX}{f.name.upper()})".replace("%", "%%")
         base = _base_type(f.name)
         if base is bool:
-            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            p.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
-            p.add_argument(flag, dest=f.name, default=None, help=help_text, metavar=f.name.upper())
+            p.add_argument(*flags, dest=f.name, default=None, help=help_text, metavar=f.name.upper())
     return p
 
 
@@ -214,6 +341,10 @@ def resolve_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] |
         key = ENV_PREFIX + name.upper()
         if key in env:
             values[name] = convert(name, env[key], f"environment {key}")
+    if args.model is not None:
+        if args.target is not None and args.target != args.model:
+            raise ValueError(f"the positional MODEL {args.model!r} and --target/--model {args.target!r} differ")
+        args.target = args.model
     for name in _FIELDS:
         value = getattr(args, name)
         if value is not None:

@@ -85,7 +85,7 @@ async def stream_body(
     run: Run, fmt: ResponseFormatter, rid: str, include_usage: bool, prompt_tokens: int, announce: bool
 ) -> AsyncIterator[bytes]:
     """The SSE body: ``announce`` sends a comment first (headers and first bytes now, while queued)."""
-    choices: dict[int, Choice] = {h.index: Choice() for h in run.handles}
+    choices: dict[int, Choice] = {h.index: fmt.new_choice() for h in run.handles}
     try:
         if announce:
             yield PING

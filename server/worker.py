@@ -64,6 +64,9 @@ class ServingEngine(Protocol):
     def block_size(self) -> int:
         """Draft block size (1: plain decoding), reported by /v1/models and the metrics."""
 
+    def estimated_speedup(self) -> float | None:
+        """Estimated speedup over plain decoding at the current load (None: not measured yet)."""
+
 
 class QueueFullError(Exception):
     """The waiting queue is full (answered with 429)."""
@@ -105,6 +108,8 @@ class RequestHandle:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[WorkerEvent]
     request_id: str = ""  # for logs: "<response id>-<choice index>"
+    skip_special_tokens: bool = True  # the output text's detokenization (vLLM's request field)
+    include_stop_str: bool = False  # a stop string stays in the text (vLLM's include_stop_str_in_output)
     arrival: float = field(default_factory=time.monotonic)
     uid: int = field(default_factory=lambda: next(_ids))
 
@@ -243,6 +248,7 @@ class Worker:
         if self._active:
             self._step()
             self._publish_queue_state()
+            self._metrics.set_estimated_speedup(self._engine.estimated_speedup())
         self._metrics.maybe_log_summary(time.monotonic())
         return False
 
@@ -252,7 +258,10 @@ class Worker:
         self._metrics.set_queue_state(self.num_running, self.num_waiting)
 
     def _add(self, h: RequestHandle) -> None:
-        r = _Request(handle=h, text=OutputText(self._tokenizer, h.prompt_token_ids, h.params.stop))
+        text = OutputText(
+            self._tokenizer, h.prompt_token_ids, h.params.stop, h.skip_special_tokens, h.include_stop_str
+        )
+        r = _Request(handle=h, text=text)
         if self._closed is not None:
             self._fail(r, self._closed)
             return

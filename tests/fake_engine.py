@@ -166,6 +166,9 @@ class FakeEngine:
         with self._lock:
             return bool(self._active)
 
+    def estimated_speedup(self) -> float | None:
+        return None  # a scripted engine measures nothing
+
     def num_running(self) -> int:
         with self._lock:
             return len(self._active)

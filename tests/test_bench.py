@@ -229,7 +229,7 @@ def test_help_lists_modes_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     parser = bench.build_parser()
     text = parser.format_help()
     lines = text.splitlines()
-    modes = ("offline", "serve", "memory")
+    modes = ("offline", "serve", "stall", "memory")
     for mode in modes:
         (i,) = [i for i, line in enumerate(lines) if line.strip().startswith(mode + " ")]
         assert lines[i + 1].strip() == "" or lines[i + 1].lstrip().split()[0] in modes, f"the {mode} line wraps"

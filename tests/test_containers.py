@@ -1,5 +1,5 @@
-"""The container and deployment files, checked offline: Dockerfile (hadolint), the lock file, compose, Kubernetes,
-shell scripts, and the README's install, API and memory sections that go with them.
+"""The container and deployment files, checked offline: Dockerfile (hadolint), the lock file, compose, shell
+scripts, and the README's install, API and memory sections that go with them (Kubernetes: tests/test_k8s.py).
 
 No container engine is needed: docker/smoke.sh builds and runs the image where one is available.
 """
@@ -25,10 +25,8 @@ from packaging.version import Version
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKER = REPO / "docker"
-K8S = DOCKER / "k8s"
 LOCK = DOCKER / "requirements.lock"
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
-K8S_VERSION = "1.30.0"  # kubernetes-validate ships this version's schemas: no network
 SHUTDOWN_TIMEOUT_S = 30  # the server's default graceful-shutdown timeout
 
 
@@ -216,97 +214,7 @@ def test_prometheus_config() -> None:
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-# ---- Kubernetes --------------------------------------------------------------------------------
-
-
-def _manifests(folder: Path) -> list[dict[str, Any]]:
-    docs = []
-    for path in sorted(folder.glob("*.yaml")):
-        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
-    return docs
-
-
-def test_k8s_base_validates_offline() -> None:
-    import kubernetes_validate
-
-    docs = _manifests(K8S)
-    assert {d["kind"] for d in docs} == {"Deployment", "Service"}
-    for doc in docs:
-        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)  # raises on an unknown or mistyped field
-    # `kubectl apply -f docker/k8s/` must not need a CRD: only built-in API groups in the base folder
-    assert all(d["apiVersion"] in ("v1", "apps/v1") for d in docs)
-
-
-def _pod(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
-    return dep["spec"]["template"]
-
-
-def _restricted_violations(pod_spec: dict[str, Any]) -> list[str]:
-    """The checks of the "restricted" Pod Security Standard (policy version latest) that a pod spec can fail."""
-    bad = []
-    psc = pod_spec.get("securityContext") or {}
-    containers = pod_spec.get("containers", []) + pod_spec.get("initContainers", [])
-    for key in ("hostNetwork", "hostPID", "hostIPC"):
-        if pod_spec.get(key):
-            bad.append(key)
-    allowed_volumes = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
-                       "projected", "secret"}
-    for vol in pod_spec.get("volumes", []):
-        kinds = set(vol) - {"name"}
-        if not kinds <= allowed_volumes:
-            bad.append(f"volume {vol['name']}: {kinds - allowed_volumes}")
-    if psc.get("runAsUser") == 0:
-        bad.append("pod runAsUser 0")
-    for c in containers:
-        sc = c.get("securityContext") or {}
-        name = c["name"]
-        if sc.get("privileged"):
-            bad.append(f"{name}: privileged")
-        if sc.get("allowPrivilegeEscalation") is not False:
-            bad.append(f"{name}: allowPrivilegeEscalation must be false")
-        caps = sc.get("capabilities") or {}
-        if "ALL" not in (caps.get("drop") or []):
-            bad.append(f"{name}: capabilities must drop ALL")
-        if set(caps.get("add") or []) - {"NET_BIND_SERVICE"}:
-            bad.append(f"{name}: adds capabilities {caps['add']}")
-        if sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is not True:
-            bad.append(f"{name}: runAsNonRoot must be true")
-        if sc.get("runAsUser") == 0:
-            bad.append(f"{name}: runAsUser 0")
-        seccomp = (sc.get("seccompProfile") or psc.get("seccompProfile") or {}).get("type")
-        if seccomp not in ("RuntimeDefault", "Localhost"):
-            bad.append(f"{name}: seccompProfile must be RuntimeDefault or Localhost (is {seccomp})")
-        if any(p.get("hostPort") for p in c.get("ports", [])):
-            bad.append(f"{name}: hostPort")
-        for key in ("seLinuxOptions",):
-            if sc.get(key, {}).get("type") not in (None, "", "container_t", "container_init_t", "container_kvm_t"):
-                bad.append(f"{name}: {key}")
-    return bad
-
-
-def test_k8s_pod_meets_restricted_pod_security() -> None:
-    pod = _pod(_manifests(K8S))
-    spec = pod["spec"]
-    assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
-    assert _restricted_violations(spec) == []
-    # the checker does catch what main had wrong
-    assert _restricted_violations({**spec, "securityContext": {"runAsNonRoot": True}})
-
-
-def test_k8s_graceful_shutdown_and_one_scrape() -> None:
-    docs = _manifests(K8S)
-    pod = _pod(docs)
-    assert pod["spec"]["terminationGracePeriodSeconds"] > SHUTDOWN_TIMEOUT_S
-    # the ServiceMonitor lives apart (it needs the Prometheus Operator's CRD) and is the only scrape
-    assert not (K8S / "servicemonitor.yaml").exists()
-    (monitor,) = _manifests(K8S / "monitoring")
-    assert monitor["kind"] == "ServiceMonitor" and monitor["apiVersion"].startswith("monitoring.coreos.com/")
-    assert not any(k.startswith("prometheus.io/") for k in (pod["metadata"].get("annotations") or {})), \
-        "annotations and the ServiceMonitor would scrape the pod twice"
-    (svc,) = [d for d in docs if d["kind"] == "Service"]
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
-    assert {e["port"] for e in monitor["spec"]["endpoints"]} <= {p["name"] for p in svc["spec"]["ports"]}
+# ---- Kubernetes: tests/test_k8s.py ------------------------------------------------------------
 
 
 # ---- shell scripts -----------------------------------------------------------------------------

@@ -336,6 +336,9 @@ class FaultyTarget:
         return self._call(self.inner.forward, [cache], token_ids, start, cache, features, last_only)
 
     def forward_batch(self, rows: list[tuple[list[int], int, Any]], features: bool, last_only: bool = False) -> list:
+        for t, s, c in rows:  # prefills are batched: recognise the bad prompt's cache here too
+            if s == 0 and list(t) == self.bad_prompt:
+                self.bad_cache = c
         if self.inner.backend == "hf":
             return [self.forward(t, s, c, features, last_only) for t, s, c in rows]
         return self._call(self.inner.forward_batch, [c for _, _, c in rows], rows, features, last_only)

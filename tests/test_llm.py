@@ -71,7 +71,9 @@ def test_prompt_forms_agree(llm: LLM) -> None:
     assert "".join(c.text for c in streamed) == raw.text and streamed[-1].finish_reason == raw.finish_reason
 
 
-def test_stream_yields_the_generated_text_step_by_step(llm: LLM) -> None:
+def test_stream_yields_the_generated_text_step_by_step() -> None:
+    # the fixed width policy: the speculation counters then repeat exactly (the adaptive one follows timings)
+    llm = LLM(device="cpu", dtype="float32", max_running_requests=4, speculation="fixed")
     whole = llm.generate(CHATS, PARAMS)
     chunks = list(llm.stream(CHATS, PARAMS))
     for i, g in enumerate(whole):

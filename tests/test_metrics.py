@@ -33,7 +33,7 @@ def prefill(rid: int) -> StepOutput:
 def verify(rid: int, accepted: int, finish: str | None = None, cut: int | None = None) -> StepOutput:
     """A draft+verify step that accepted ``accepted`` draft tokens (cut to ``cut`` tokens by a stop)."""
     n = accepted + 1 if cut is None else cut
-    return StepOutput(rid, list(range(n)), finish, None, accepted + 1, B - 1, accepted, False, None)
+    return StepOutput(rid, list(range(n)), finish, None, accepted + 1, B - 1, accepted, False, None, verify_width=B)
 
 
 def make_metrics(**kwargs: Any) -> ServerMetrics:
@@ -87,6 +87,7 @@ def test_names_types_labels_and_buckets() -> None:
         "dflash_spec_decode_num_accepted_tokens": "counter",
         "dflash_spec_decode_num_accepted_tokens_per_pos": "counter",
         "dflash_acceptance_length": "histogram",
+        "dflash_spec_decode_verify_width": "histogram",
         "dflash_time_to_first_token_seconds": "histogram",
         "dflash_inter_token_latency_seconds": "histogram",
         "dflash_e2e_request_latency_seconds": "histogram",
@@ -95,6 +96,7 @@ def test_names_types_labels_and_buckets() -> None:
         "dflash_num_requests_running": "gauge",
         "dflash_num_requests_waiting": "gauge",
         "dflash_generation_tokens_per_second": "gauge",
+        "dflash_spec_decode_estimated_speedup": "gauge",
         "dflash_model_info": "gauge",
     }
     parsed = samples(m)
@@ -109,6 +111,11 @@ def test_names_types_labels_and_buckets() -> None:
         float(dict(labels)["le"]) for name, labels in parsed if name == "dflash_acceptance_length_bucket"
     )
     assert les == [1.0, 2.0, 3.0, 4.0, math.inf]
+    widths = sorted(
+        float(dict(labels)["le"]) for name, labels in parsed if name == "dflash_spec_decode_verify_width_bucket"
+    )
+    assert widths == [1.0, 2.0, 4.0, math.inf]  # the width set of a block of B = 4
+    assert value(parsed, "dflash_spec_decode_estimated_speedup") == 1.0
     info = value(
         parsed, "dflash_model_info", target="tiny-target", draft="tiny-draft", block_size=str(B),
         device="cpu", backend="hf",
@@ -147,6 +154,8 @@ def test_step_and_request_accounting() -> None:
     assert sum(per_pos) == accepted and max(per_pos) <= value(p, "dflash_spec_decode_num_drafts_total")
     # Acceptance length: one observation per verify step, a+1 before the stop cut; never for prefill.
     assert value(p, "dflash_acceptance_length_count") == 4
+    assert value(p, "dflash_spec_decode_verify_width_count") == 4  # every verify step, at width B
+    assert value(p, "dflash_spec_decode_verify_width_bucket", le="2.0") == 0
     assert value(p, "dflash_acceptance_length_sum") == 4 + accepted
     assert value(p, "dflash_acceptance_length_bucket", le="1.0") == 1
     assert value(p, "dflash_acceptance_length_bucket", le="2.0") == 2

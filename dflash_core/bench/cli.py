@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from dflash_core.bench import gpu_check
 from dflash_core.bench.errors import BenchError
 from dflash_core.bench.measure import header
 from dflash_core.bench.memory import format_memory, memory_from_preset
@@ -25,7 +26,9 @@ from dflash_core.bench.serve import (
     DEFAULT_REPEATS,
     compare_levels,
     run_serve,
+    run_serve_pair,
 )
+from dflash_core.bench.stall import format_stall, run_stall
 from dflash_core.cli_help import HelpFormatter
 
 BENCH_EXTRA = 'pip install "dflash-serve[bench]"'
@@ -98,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
         sp.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+    gpu_check.add_parser(sub)
     off = sub.add_parser(
         "offline",
         help="in-process: plain vs DFlash decoding of one target",
@@ -116,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16"
     )
     off.add_argument("--top-k", type=int, default=0, help="top-k sampling; 0 is off")
-    off.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    off.add_argument("--threads", type=int, help="torch CPU threads (default: 1 on a CPU device, as dflash-serve)")
     off.add_argument("--no-warmup", action="store_true", help="skip the warm-up request")
 
     srv = sub.add_parser(
@@ -138,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--concurrency",
         type=_concurrency,
         default=list(DEFAULT_CONCURRENCY),
-        help="comma-separated levels (default 1,2,4,8); requests per round: --num-prompts, or by "
+        help="comma-separated levels (default 1,2,4,8,12,16); requests per round: --num-prompts, or by "
         "default 2 x concurrency (at least 4, at most 32)",
     )
     srv.add_argument(
@@ -163,7 +167,28 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--compare", type=Path, metavar="BASELINE_JSON", help="a serve JSON to compare with (default: none)"
     )
+    srv.add_argument(
+        "--baseline-url",
+        help="a second server to sweep side by side (e.g. the same target with --no-speculative): each level runs "
+        "on it, then on --base-url, and the comparison and plots show both (default: none)",
+    )
     srv.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+
+    stall = sub.add_parser(
+        "stall",
+        help="over HTTP: a long prompt's prefill vs running streams",
+        description="Over the OpenAI API: some streams run, then a long prompt arrives; reports the running "
+        "streams' median inter-chunk gap and their largest gap while the long prompt is prefilled.",
+        formatter_class=HelpFormatter,
+    )
+    stall.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
+    stall.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "EMPTY"),
+                       help="default: $OPENAI_API_KEY or EMPTY")
+    stall.add_argument("--model", help="default: the first model of /v1/models")
+    stall.add_argument("--streams", type=int, default=4, help="streams running when the long prompt arrives")
+    stall.add_argument("--prompt-tokens", type=int, default=1500, help="tokens of the long prompt")
+    stall.add_argument("--max-tokens", type=int, default=256, help="output tokens of each running stream")
+    stall.add_argument("--output-dir", type=Path, default=None, help="folder for stall.json (default: as serve)")
 
     mem = sub.add_parser(
         "memory",
@@ -181,12 +206,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`dflash-bench offline|serve ...`; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.mode == "gpu-check":
+        return gpu_check.main(args)
     if args.mode == "memory":
         try:
             print(format_memory([memory_from_preset(path) for path in args.presets]))
         except BenchError as exc:
             print(f"dflash-bench: error: {exc}", file=sys.stderr)
             return exc.code
+        return 0
+    if args.mode == "stall":
+        try:
+            result = {**header("stall", argv), **run_stall(
+                args.base_url.rstrip("/"), load_prompts("chat", 8), api_key=args.api_key, model=args.model,
+                streams=args.streams, long_tokens=args.prompt_tokens, max_tokens=args.max_tokens)}
+            path = resolve_output_dir(args.output_dir) / "stall.json"
+        except BenchError as exc:
+            print(f"dflash-bench: error: {exc}", file=sys.stderr)
+            return exc.code
+        path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        print(format_stall(result) + f"\nwrote {path}")
         return 0
     if args.max_tokens < 1 or (args.num_prompts is not None and args.num_prompts < 1):
         parser.error("--max-tokens and --num-prompts must be >= 1")
@@ -220,10 +259,6 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     require_extra(args.mode, (["openai"] if args.mode == "serve" else []) + ([] if args.no_plots else ["matplotlib"]))
     progress = not args.no_progress
     if args.mode == "offline":
-        if args.threads:
-            import torch
-
-            torch.set_num_threads(args.threads)
         body = run_offline(
             prompts,
             target=args.target,
@@ -241,6 +276,7 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             warmup=not args.no_warmup,
             progress=progress,
             dataset=args.dataset,
+            threads=args.threads,
         )
         result = {**header("offline", argv), **body}
         json_path = out_dir / "offline.json"
@@ -249,9 +285,9 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         plots = [] if args.no_plots else plot_offline(result, out_dir)
         failed = False
     else:
-        body = run_serve(
-            args.base_url.rstrip("/"),
-            prompts,
+        if args.baseline_url and args.compare is not None:
+            raise BenchError("--baseline-url and --compare both name a baseline: give one")
+        serve_args = dict(
             api_key=args.api_key,
             model=args.model,
             concurrency=args.concurrency,
@@ -267,8 +303,20 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             repeats=args.repeats,
             min_duration=args.min_duration,
         )
+        if args.baseline_url:
+            body, base_body = run_serve_pair(args.base_url.rstrip("/"), args.baseline_url.rstrip("/"), prompts,
+                                             **serve_args)
+            baseline = {**header("serve", argv), **base_body}
+            base_path = out_dir / f"serve_{safe_name(baseline['label'])}.json"
+            if base_body["label"] == body["label"]:
+                base_path = out_dir / f"serve_{safe_name(baseline['label'])}_baseline.json"
+            write_json(baseline, base_path)
+            print(format_serve(baseline) + "\n")
+            body["comparison"]["baseline_file"] = str(base_path)
+        else:
+            body = run_serve(args.base_url.rstrip("/"), prompts, **serve_args)
         result = {**header("serve", argv), **body}
-        if baseline is not None:
+        if baseline is not None and args.compare is not None:
             result["comparison"] = compare_levels(result, baseline, str(args.compare))
         json_path = out_dir / f"serve_{safe_name(result['label'])}.json"
         write_json(result, json_path)

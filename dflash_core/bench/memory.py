@@ -1,7 +1,8 @@
 """`dflash-bench memory`: the GPU memory the native backend allocates at start-up for a preset, computed from the
 models' shapes (nothing is loaded or downloaded). Dense, MoE (experts counted in full: every expert is resident) and
 hybrid Gated DeltaNet targets (KV rows for the full-attention layers only, plus each slot's convolution windows
-and recurrent states, as `dflash_core.runners.hybrid` allocates them)."""
+and recurrent states, as `dflash_core.runners.hybrid` allocates them). The per-row and per-slot arithmetic lives in
+`dflash_core.memory`, which the start-up budget uses too."""
 
 from __future__ import annotations
 
@@ -10,6 +11,17 @@ from pathlib import Path
 from typing import Any
 
 from dflash_core.bench.errors import BenchError
+from dflash_core.memory import (
+    GB,
+    kv_bytes_per_row,
+    layer_types,
+    linear_dims,
+    normalize_shape,
+    state_bytes_per_slot,
+)
+
+__all__ = ["GB", "kv_bytes_per_row", "layer_types", "state_bytes_per_slot", "memory_estimate", "format_memory",
+           "memory_from_preset", "target_params", "draft_params"]
 
 # Qwen3.5 / Qwen3.6 dense text configs: Gated DeltaNet layers, every fourth layer full attention (with an output
 # gate), vocabulary 248320, untied head
@@ -79,7 +91,6 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
 }
 GATED_ATTENTION_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
-GB = 1e9
 
 
 def _model_shape(name: str) -> dict[str, Any]:
@@ -91,13 +102,10 @@ def _model_shape(name: str) -> dict[str, Any]:
         raise BenchError(f"unknown model {name!r}: pass a local folder with a config.json, or one of "
                          f"{', '.join(MODEL_SHAPES)}")
     cfg = json.loads(path.read_text(encoding="utf-8"))
-    cfg = {**cfg, **cfg.get("text_config", {})}
+    cfg = normalize_shape(cfg)
     dflash = cfg.get("dflash_config") or {}
-    heads = int(cfg["num_attention_heads"])
     return {
         **cfg,
-        "num_key_value_heads": int(cfg.get("num_key_value_heads") or heads),
-        "head_dim": int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
         "qk_norm": str(cfg.get("model_type") or "qwen3").startswith("qwen3")
         or "DFlashDraftModel" in cfg.get("architectures", []),
         # transformers' Qwen3.5 and Qwen3-Next attention always has the output gate (its config has no field for it)
@@ -105,19 +113,6 @@ def _model_shape(name: str) -> dict[str, Any]:
         "target_layer_ids": dflash.get("target_layer_ids") or cfg.get("target_layer_ids") or [],
         "block_size": cfg.get("block_size") or dflash.get("block_size"),
     }
-
-
-def layer_types(m: dict[str, Any]) -> list[str]:
-    """Each layer's token mixer: the config's `layer_types`, else Gated DeltaNet with every
-    `full_attention_interval`-th layer full attention where the config has linear-attention heads, else all
-    full attention."""
-    n = int(m["num_hidden_layers"])
-    if m.get("layer_types"):
-        return list(m["layer_types"])
-    if m.get("linear_num_value_heads"):
-        every = int(m.get("full_attention_interval") or 4)
-        return ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
-    return ["full_attention"] * n
 
 
 def _attention_params(m: dict[str, Any]) -> int:
@@ -132,18 +127,11 @@ def _attention_params(m: dict[str, Any]) -> int:
     return params + (heads if m.get("model_type") == "gpt_oss" else 0)
 
 
-def _linear_dims(m: dict[str, Any]) -> tuple[int, int, int, int, int]:
-    """Gated DeltaNet shape: (convolution channels, kernel, value heads, key head dim, value head dim)."""
-    nk, nv = int(m["linear_num_key_heads"]), int(m["linear_num_value_heads"])
-    dk, dv = int(m["linear_key_head_dim"]), int(m["linear_value_head_dim"])
-    return 2 * nk * dk + nv * dv, int(m.get("linear_conv_kernel_dim") or 4), nv, dk, dv
-
-
 def _linear_attention_params(m: dict[str, Any]) -> int:
     """Gated DeltaNet: in_proj_qkv, in_proj_z, in_proj_b/a, the depthwise convolution, dt_bias, A_log, the gated
     norm and out_proj."""
     h = int(m["hidden_size"])
-    conv, kernel, nv, _, dv = _linear_dims(m)
+    conv, kernel, nv, _, dv = linear_dims(m)
     return h * conv + 2 * h * nv * dv + 2 * h * nv + conv * kernel + 2 * nv + dv
 
 
@@ -180,23 +168,6 @@ def draft_params(m: dict[str, Any]) -> int:
     norm (it uses the target's embeddings and head)."""
     h = int(m["hidden_size"])
     return len(m["target_layer_ids"]) * h * h + h + int(m["num_hidden_layers"]) * _layer_params(m) + h
-
-
-def kv_bytes_per_row(m: dict[str, Any], dtype_bytes: int) -> int:
-    """Keys + values of one position over the layers that keep them (not Gated DeltaNet layers)."""
-    attention = sum(kind != "linear_attention" for kind in layer_types(m))
-    return 2 * attention * int(m["num_key_value_heads"]) * int(m["head_dim"]) * dtype_bytes
-
-
-def state_bytes_per_slot(m: dict[str, Any], dtype_bytes: int) -> int:
-    """A slot's fixed-size state in Gated DeltaNet layers: the convolution window (kernel - 1 inputs, model dtype)
-    and the recurrent state (value heads x key dim x value dim, float32), each held twice: the live one and the
-    copy a verify step records for rollback; 0 without such layers."""
-    linear = sum(kind == "linear_attention" for kind in layer_types(m))
-    if not linear:
-        return 0
-    conv, kernel, nv, dk, dv = _linear_dims(m)
-    return 2 * linear * (conv * (kernel - 1) * dtype_bytes + nv * dk * dv * 4)
 
 
 def memory_estimate(

@@ -32,11 +32,14 @@ def _run_request(engine: Any, prompt_ids: list[int], params: Any) -> tuple[list[
     t0 = time.perf_counter()
     ttft: float | None = None
     done = None
+    lengths: list[int] = []  # acceptance length of every draft/verify step (plain steps drafted nothing)
     try:
         with closing(iter_steps(engine, [prompt_ids], params)) as steps:  # closing: a failure aborts the request
             for req, out in steps:
                 if out.error:
                     raise BenchError(f"the engine failed: {out.error}", code=1)
+                if out.num_draft_tokens:
+                    lengths.append(out.acceptance_length)
                 if ttft is None and out.new_token_ids:
                     ttft = time.perf_counter() - t0
                 if req.finished:
@@ -57,8 +60,6 @@ def _run_request(engine: Any, prompt_ids: list[int], params: Any) -> tuple[list[
         "finish_reason": done.finish_reason,
     }
     if engine.drafter is not None:
-        # A last step with a single token left verifies no draft; it is not a draft/verify step.
-        lengths = list(stats.acceptance_lengths)[: stats.num_drafts]
         run.update(
             num_drafts=stats.num_drafts,
             num_accepted_tokens=stats.num_accepted_tokens,
@@ -131,9 +132,11 @@ def run_offline(
     warmup: bool = True,
     progress: bool = True,
     dataset: str = "custom",
+    threads: int | None = None,
 ) -> dict[str, Any]:
     """Plain decoding and DFlash on the same target, interleaved prompt by prompt: the `offline` result
-    without its header. Raises IdentityError when greedy outputs differ. No target: the demo pair."""
+    without its header. Raises IdentityError when greedy outputs differ. No target: the demo pair. `threads`:
+    torch's CPU threads (None: the engine's default, 1 on a CPU device)."""
     from dflash_core.engine import Engine
     from dflash_core.loading import load_models
     from dflash_core.sampling import SamplingParams
@@ -143,7 +146,7 @@ def run_offline(
     t0 = time.perf_counter()
     try:
         config = EngineConfig(target, draft, tokenizer, device=device, dtype=dtype, block_size=block_size,
-                              backend=backend)
+                              backend=backend, threads=threads)
         models = load_models(config)
     except (FileNotFoundError, ValueError) as exc:
         raise BenchError(f"cannot load the models: {exc}") from None
@@ -209,4 +212,6 @@ def run_offline(
         "load_time_s": load_time,
     }
     summary = _summary(rows, bsz, greedy)
+    # the engine's own estimate of its speedup (decode steps, measured step costs), to set against decode_speedup
+    summary["estimated_speedup"] = dflash.estimated_speedup()
     return {"environment": environment(), "config": config_out, "summary": summary, "prompts": rows}

@@ -60,6 +60,7 @@ def format_offline(result: dict[str, Any]) -> str:
             ["speedup (total time)", "", _f(s["speedup"]) + "x"],
             ["speedup (mean per prompt)", "", _f(s["mean_prompt_speedup"]) + "x"],
             ["decode speedup", "", _f(s["decode_speedup"]) + "x"],
+            ["estimated speedup (engine)", "", _f(s.get("estimated_speedup")) + "x"],
         ],
     )
     hist = "  ".join(f"{k + 1}:{100 * f:.0f}%" for k, f in enumerate(s["acceptance_histogram"]["fractions"]))

@@ -161,6 +161,11 @@ OFFLINE_SCHEMA: dict[str, Any] = {
                 "speedup": _NUM,
                 "mean_prompt_speedup": _NUM,
                 "decode_speedup": _NUM_OR_NULL,
+                "estimated_speedup": {
+                    **_NUM_OR_NULL,
+                    "description": "the engine's own estimate of its decode speedup over plain steps "
+                    "(dflash_spec_decode_estimated_speedup), from its measured step costs",
+                },
                 "mean_acceptance_length": _NUM,
                 "mean_acceptance_length_per_prompt": _NUM,
                 "acceptance_histogram": {

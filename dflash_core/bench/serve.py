@@ -12,7 +12,7 @@ from dflash_core.bench.measure import distribution, environment, progress_bar, r
 from dflash_core.bench.prompts import Message, Prompt
 from dflash_core.stats import mean_acceptance_length
 
-DEFAULT_CONCURRENCY = (1, 2, 4, 8)
+DEFAULT_CONCURRENCY = (1, 2, 4, 8, 12, 16)
 DEFAULT_REPEATS = 3
 DEFAULT_MIN_DURATION_S = 10.0
 
@@ -251,6 +251,29 @@ def _auto_label(info: dict[str, Any], model: str) -> str:
     if isinstance(spec, dict):
         return "dflash" if spec.get("draft") and int(spec.get("block_size") or 1) > 1 else "baseline"
     return model
+
+
+def run_serve_pair(
+    base_url: str, baseline_url: str, prompts: list[Prompt], *, concurrency: Sequence[int] = DEFAULT_CONCURRENCY,
+    label: str | None = None, baseline_label: str | None = None, **kwargs: Any,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The sweep against two servers side by side: at each concurrency level the baseline's rounds, then the
+    server's, so both see the same machine conditions. Returns (server result, baseline result); the server's
+    has the comparison filled in (its `baseline_file` is set by the caller)."""
+    runs: dict[str, list[dict[str, Any]]] = {"server": [], "baseline": []}
+    for c in concurrency:
+        runs["baseline"].append(run_serve(baseline_url, prompts, concurrency=[c], label=baseline_label, **kwargs))
+        runs["server"].append(run_serve(base_url, prompts, concurrency=[c], label=label, **kwargs))
+
+    def merged(parts: list[dict[str, Any]]) -> dict[str, Any]:
+        out = dict(parts[0])
+        out["config"] = {**parts[0]["config"], "concurrency": list(concurrency)}
+        out["levels"] = [lv for part in parts for lv in part["levels"]]
+        return out
+
+    server, baseline = merged(runs["server"]), merged(runs["baseline"])
+    server["comparison"] = compare_levels(server, baseline, "")
+    return server, baseline
 
 
 def run_serve(

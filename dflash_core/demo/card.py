@@ -42,7 +42,8 @@ def speed(target_dir: Path, draft_dir: Path, path: Path, name: str, n: int, max_
             torch.set_num_threads(t)
             try:
                 bench = run_offline(prompts, target=str(target_dir), draft=str(draft_dir), device="cpu",
-                                    dtype="float32", max_tokens=max_new_tokens, progress=False, dataset=name)
+                                    dtype="float32", max_tokens=max_new_tokens, progress=False, dataset=name,
+                                    threads=t)
             except IdentityError as exc:
                 identical = False
                 by_threads[str(t)] = {"error": str(exc)}

@@ -58,6 +58,12 @@ class TargetRunner(ABC):
     max_len: int | None
 
     @property
+    def pads_rows(self) -> bool:
+        """Whether a batched forward pads its rows to the widest (a step then costs rows x widest tokens), rather
+        than running each row's own tokens; the width policy prices verify rows by it."""
+        return True
+
+    @property
     @abstractmethod
     def embed_weight(self) -> torch.Tensor:
         """The input embedding table [V, H] (the draft shares it)."""
@@ -98,6 +104,13 @@ class DraftRequest(NamedTuple):
     n: int
 
 
+class Proposal(NamedTuple):
+    """A drafter's proposal for one request: tokens, and the draft's probability of each (its confidence)."""
+
+    tokens: list[int]
+    confidence: list[float]
+
+
 class Drafter(ABC):
     """Proposes draft tokens; the engine verifies them with the target, so a drafter affects speed, never output.
 
@@ -123,6 +136,11 @@ class Drafter(ABC):
     def propose(self, state: Any, last_token: int, position: int, n: int) -> list[int]:
         """One request's proposal: `n` tokens after `last_token` at `position`."""
         return self.propose_batch([DraftRequest(state, last_token, position, n)])[0]
+
+    def propose_scored(self, items: Sequence[DraftRequest]) -> list[Proposal]:
+        """Each item's proposal with the draft's probability of every proposed token (the width policy cuts a
+        proposal where the running product falls low). A drafter without probabilities reports 1.0."""
+        return [Proposal(tokens, [1.0] * len(tokens)) for tokens in self.propose_batch(items)]
 
 
 class PerRequestDrafter(Drafter):

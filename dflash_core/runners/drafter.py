@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from dflash_core.compile import StaticShapes, kv_bucket, timed_warm_up
 from dflash_core.draft import DFlashDraft, DraftKVCache, SlotDraftCache
-from dflash_core.runners.base import Drafter, DraftRequest, TargetRunner
+from dflash_core.runners.base import Drafter, DraftRequest, Proposal, TargetRunner
+
+log = logging.getLogger("dflash.drafter")
 
 
 @dataclass
@@ -25,6 +29,10 @@ class DFlashDrafter(Drafter):
     request's slot (the engine's SlotPool hands it out with the target's); without it, one forward per request
     over a growing per-request cache. With a `window` N the draft sees only the last N context positions and
     either cache holds at most N of them per request. A draft with a reduced vocabulary proposes target ids.
+
+    With `static` (a batched drafter without a window) a proposal whose batch, block width and new context rows
+    fit the buckets runs a fixed-shape step (compiled: `dflash_core/compile.py`); the first proposal after a
+    prefill (the prompt's context) and shapes beyond the buckets run eagerly.
     """
 
     def __init__(
@@ -35,6 +43,7 @@ class DFlashDrafter(Drafter):
         max_slots: int | None = None,
         max_len: int | None = None,
         window: int | None = None,
+        static: StaticShapes | None = None,
     ) -> None:
         if window is not None and window < 1:
             raise ValueError(f"draft window must be >= 1, got {window}")
@@ -47,6 +56,15 @@ class DFlashDrafter(Drafter):
         self.window = window
         if max_slots:
             self.slots = SlotDraftCache(draft.cfg, max_slots, int(max_len), target.device, target.dtype, window)
+        # the static step needs the slot cache's fixed columns (a window's ring runs eagerly)
+        self.static = static if self.slots is not None and self.slots.window is None else None
+        self._step = None
+        if self.static is not None:
+            assert self.slots is not None
+            torch._dynamo.mark_static_address(self.slots.k)  # mutated in place by a CUDA graph
+            torch._dynamo.mark_static_address(self.slots.v)
+            dims = {0: (0, 1), 1: (0, 1), 2: (0, 1), 3: (0, 1), 4: (0,), 5: (0,), 6: (0,), 7: (0,)}
+            self._step = self.static.wrap(self._static_forward, target.device, dynamic=dims)
 
     def new_state(self, slot: int, prompt_token_ids: list[int]) -> _DFlashState:
         if self.slots is not None:
@@ -58,16 +76,19 @@ class DFlashDrafter(Drafter):
     def extend_context(self, state: _DFlashState, features: torch.Tensor) -> None:
         state.pending.append(features)
 
-    @torch.inference_mode()
     def propose_batch(self, items: Sequence[DraftRequest]) -> list[list[int]]:
-        """Argmax proposals for each (state, last token, its position, how many).
+        return [p.tokens for p in self.propose_scored(items)]
+
+    @torch.inference_mode()
+    def propose_scored(self, items: Sequence[DraftRequest]) -> list[Proposal]:
+        """Argmax proposals for each (state, last token, its position, how many), with their draft probabilities.
 
         Nothing is consumed unless the whole call succeeds: the pending context features stay pending and a
         per-request cache keeps its length, so a failed call can be retried (the engine retries one by one).
         """
         device, dtype = self.target.device, self.target.dtype
         if self.slots is None and len(items) > 1:  # per-request caches: one forward each
-            return [self.propose_batch([item])[0] for item in items]
+            return [self.propose_scored([item])[0] for item in items]
         b = len(items)
         width = max(n for *_, n in items) + 1
         pending = [torch.cat(st.pending, dim=0) if st.pending else None for st, *_ in items]
@@ -76,6 +97,12 @@ class DFlashDrafter(Drafter):
             skipped = sum(max(0, f.shape[0] - self.window) for f in pending if f is not None)
             pending = [None if f is None else f[-self.window :] for f in pending]
         n_ctx = max((0 if f is None else f.shape[0]) for f in pending)
+        if self._step is not None and n_ctx:
+            proposals = self._propose_static(items, pending, n_ctx)
+            if proposals is not None:
+                for st, *_ in items:
+                    st.pending.clear()
+                return proposals
         ctx = ctx_pos = None
         positions = torch.tensor([p for _, _, p, _ in items], device=device)
         if n_ctx:
@@ -107,11 +134,95 @@ class DFlashDrafter(Drafter):
             emb = self.draft.embed(block, self.target.embed_weight)
             hidden = self.draft(emb, block_pos, ctx, ctx_pos, cache, **lens)
             logits = self.draft.logits(hidden[:, 1:], self.target.lm_head_weight)
-            best = self.draft.target_ids(logits.argmax(dim=-1)).tolist()
+            prob, best_ids = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+            # one transfer for tokens and probabilities together
+            both = torch.stack([self.draft.target_ids(best_ids).to(torch.float64), prob.to(torch.float64)]).tolist()
+            best, probs = [[int(t) for t in row] for row in both[0]], both[1]
         except BaseException:
             if rollback is not None:
                 cache.length = rollback
             raise
         for st, *_ in items:  # only now is the context in the draft cache
             st.pending.clear()
-        return [row[:n] for row, (*_, n) in zip(best, items)]
+        return [Proposal(row[:n], pr[:n]) for row, pr, (*_, n) in zip(best, probs, items)]
+
+    # ---- the static step ----
+    def _static_forward(
+        self, block: torch.Tensor, block_pos: torch.Tensor, ctx: torch.Tensor, ctx_pos: torch.Tensor,
+        slots: torch.Tensor, ctx_len: torch.Tensor, block_len: torch.Tensor, key_pos: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The padded proposal: block ids / positions [b, w], new context features [b, c, F] at ctx_pos [b, c],
+        slots, ctx_len, block_len [b], key_pos [L] (the key bucket). Target ids and probabilities [b, w - 1]."""
+        assert self.slots is not None
+        cache = self.slots.batch(slots, ctx_pos, key_pos.shape[0])
+        emb = self.draft.embed(block, self.target.embed_weight)
+        hidden = self.draft(emb, block_pos, ctx, ctx_pos, cache, ctx_len=ctx_len, block_len=block_len)
+        logits = self.draft.logits(hidden[:, 1:], self.target.lm_head_weight)
+        prob, best = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+        return self.draft.target_ids(best), prob
+
+    def _propose_static(
+        self, items: Sequence[DraftRequest], pending: list[torch.Tensor | None], n_ctx: int
+    ) -> list[Proposal] | None:
+        """The items through the static step, or None when they fit no bucket (the eager forward runs them)."""
+        assert self.static is not None and self.slots is not None
+        bb = self.static.batch_bucket(len(items))
+        wb = self.static.width_bucket(max(n for *_, n in items) + 1)
+        cb = self.static.width_bucket(n_ctx)
+        if bb is None or wb is None or cb is None:
+            return None
+        device, dtype = self.target.device, self.target.dtype
+        feat_dim = next(f for f in pending if f is not None).shape[1]
+        ctx = torch.zeros(bb, cb, feat_dim, device=device, dtype=dtype)
+        pad = self.slots.pad_position  # padding context rows go to the scratch column, which no query sees
+        ctx_pos = [[pad] * cb for _ in range(bb)]
+        block = [[self.mask_token_id] * wb for _ in range(bb)]
+        block_pos = [list(range(wb)) for _ in range(bb)]
+        slots = [items[0][0].slot] * bb  # padding rows write only the scratch column of the first row's slot
+        ctx_len, block_len = [0] * bb, [1] * bb
+        for r, ((st, last, p, n), f) in enumerate(zip(items, pending)):
+            if f is not None:
+                c = f.shape[0]
+                ctx[r, :c] = f.to(dtype)
+                ctx_pos[r][:c] = range(p - c, p)
+            block[r][0] = last
+            block_pos[r] = list(range(p, p + wb))
+            slots[r], ctx_len[r], block_len[r] = st.slot, p, n + 1
+        top = max(p for _, _, p, _ in items)
+        self.static.calls[(bb, wb)] += 1
+        best, prob = self._run_static(block, block_pos, ctx, ctx_pos, slots, ctx_len, block_len, top)
+        both = torch.stack([best.to(torch.float64), prob.to(torch.float64)]).tolist()  # one transfer
+        return [Proposal([int(t) for t in both[0][r][:n]], both[1][r][:n]) for r, (*_, n) in enumerate(items)]
+
+    def _run_static(
+        self, block: list[list[int]], block_pos: list[list[int]], ctx: torch.Tensor, ctx_pos: list[list[int]],
+        slots: list[int], ctx_len: list[int], block_len: list[int], top: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self._step is not None and self.slots is not None
+        dev = self.target.device
+        key_pos = torch.arange(kv_bucket(top, self.slots.scratch + 1), device=dev)
+        t = [torch.tensor(x, device=dev) for x in (block, block_pos)]
+        rest = [torch.tensor(x, device=dev) for x in (ctx_pos, slots, ctx_len, block_len)]
+        return self._step(t[0], t[1], ctx, *rest, key_pos)
+
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Compile (on CUDA: record the graph of) every (batch, width, context width) bucket at the smallest key
+        bucket; padding only (the scratch column), so no slot's context changes. Returns the seconds it took."""
+        if self.static is None or self.slots is None:
+            return 0.0
+        st, pad = self.static, self.slots.pad_position
+        feat_dim = len(self.draft.cfg.target_layer_ids) * self.draft.cfg.hidden_size
+        dev, dtype = self.target.device, self.target.dtype
+
+        def run(bb: int, wb: int, cb: int) -> None:
+            ctx = torch.zeros(bb, cb, feat_dim, device=dev, dtype=dtype)
+            self._run_static([[self.mask_token_id] * wb] * bb, [list(range(wb))] * bb, ctx, [[pad] * cb] * bb,
+                             [0] * bb, [0] * bb, [1] * bb, 1)
+
+        widths = [w for w in st.widths if w >= 2]  # a block is the last token and at least one proposal
+        runs = [(lambda bb=bb, wb=wb, cb=cb: run(bb, wb, cb)) for bb in st.batch_sizes for wb in widths
+                for cb in st.widths]
+        seconds = timed_warm_up("draft", runs, log)
+        st.calls.clear()
+        return seconds

@@ -39,6 +39,10 @@ class HFTarget(TargetRunner):
         self.device, self.dtype = param.device, param.dtype
 
     @property
+    def pads_rows(self) -> bool:
+        return False  # one request per forward: each row costs its own tokens
+
+    @property
     def embed_weight(self) -> torch.Tensor:
         return self.model.get_input_embeddings().weight
 

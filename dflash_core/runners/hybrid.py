@@ -87,6 +87,8 @@ class HybridTarget(NativeTarget):
     """Batched forward of a hybrid target: full-attention layers over the slot KV cache, Gated DeltaNet layers over
     slot-indexed convolution windows and recurrent states, with exact rollback (see the module docstring)."""
 
+    ragged = False  # the Gated DeltaNet mixers run per row over [b, n]
+
     model_types = HYBRID_MODEL_TYPES
 
     def __init__(self, model: nn.Module, layer_ids: list[int] | None, max_slots: int, max_len: int) -> None:

@@ -5,10 +5,16 @@ rotary embedding), but runs its own attention over a static cache `[layers, slot
 each request owns a slot, tokens write their keys/values at their positions, and a query sees the keys at positions
 up to its own. Rolling back is just setting the slot's length: rows past it are never visible before they are
 overwritten. Several requests' verify blocks run as ONE forward.
+
+With `StaticShapes` (`dflash_core/compile.py`) a verify or plain step is padded to a (batch, width) bucket and runs
+a fixed-shape step, compiled once per bucket: attention over the slot cache up to a power-of-two key bucket with a
+position mask. Padding (rows beyond the batch, tokens beyond a row) is written to a scratch column past `max_len`,
+which no query of a real row sees. Prefill and shapes beyond the buckets run the eager forward.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,8 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_core.compile import StaticShapes, kv_bucket, timed_warm_up
 from dflash_core.layers import apply_rope
 from dflash_core.runners.base import TargetOutput, TargetRow, TargetRunner
+
+log = logging.getLogger("dflash.native")
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2", "qwen3_moe")
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [b, n, rotary dim]
@@ -44,6 +53,10 @@ class Batch:
     slots: torch.Tensor  # [b]
     kv_len: int  # keys 0 .. kv_len-1 are visible to some query
     mask: torch.Tensor | None  # [b, 1, n, kv_len]: key position <= query position
+    static: bool = False  # a padded static step: every row goes through the gather path, whatever b
+    # ragged: the rows' real tokens run as ONE sequence [1, T]; each token's (row, column) of the padded [b, n]
+    # layout, which only attention uses (projections, norms and MLPs never see padding)
+    flat: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def supports(model: nn.Module, model_types: Sequence[str] = SUPPORTED_MODEL_TYPES) -> str | None:
@@ -70,8 +83,12 @@ class NativeTarget(TargetRunner):
 
     backend = "native"
     model_types: tuple[str, ...] = SUPPORTED_MODEL_TYPES
+    ragged = True  # eager rows of different lengths run unpadded (subclasses whose mixers need [b, n]: False)
 
-    def __init__(self, model: nn.Module, layer_ids: list[int] | None, max_slots: int, max_len: int) -> None:
+    def __init__(
+        self, model: nn.Module, layer_ids: list[int] | None, max_slots: int, max_len: int,
+        static: StaticShapes | None = None,
+    ) -> None:
         reason = supports(model, self.model_types)
         if reason is not None:
             raise ValueError(f"the native backend does not support {reason}; use --backend hf")
@@ -95,14 +112,26 @@ class NativeTarget(TargetRunner):
         self.device, self.dtype = param.device, param.dtype
         self.max_len = int(max_len)
         self.max_slots = int(max_slots)
+        self.static = static
         self._allocate()
+        self._step = None
+        if static is not None:
+            torch._dynamo.mark_static_address(self.k_cache)  # mutated in place by a CUDA graph
+            torch._dynamo.mark_static_address(self.v_cache)
+            self._step = static.wrap(self._static_forward, self.device, dynamic={0: (0, 1), 1: (0, 1), 2: (0,)})
 
     def _allocate(self) -> None:
-        """The KV cache: one row per slot and position for every layer."""
-        shape = (self.num_layers, self.max_slots, self.num_kv_heads, self.max_len, self.head_dim)
+        """The KV cache: one row per slot and position for every layer; with static steps, a scratch column (at
+        `max_len`) where their padding is written."""
+        columns = self.max_len + (1 if self.static is not None else 0)
+        shape = (self.num_layers, self.max_slots, self.num_kv_heads, columns, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_index = {li: li for li in range(self.num_layers)}  # layer -> its row of k_cache / v_cache
+
+    @property
+    def pads_rows(self) -> bool:
+        return not self.ragged or self.static is not None
 
     @property
     def embed_weight(self) -> torch.Tensor:
@@ -144,10 +173,23 @@ class NativeTarget(TargetRunner):
 
     def _attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> torch.Tensor:
         """Write the rows' keys [b, kv_heads, n, d] and values [b, n, kv_heads, d] at their positions of layer
-        `li`'s slot cache, then attend: [b, heads, n, d]."""
+        `li`'s slot cache, then attend: [b, heads, n, d]. Ragged (`batch.flat`): [1, ..., T, ...] in and out."""
         kc, vc = self.k_cache[self.kv_index[li]], self.v_cache[self.kv_index[li]]
         n, kv_len = batch.n, batch.kv_len
-        if batch.b == 1:  # plain slice writes and views: no gather
+        if batch.flat is not None:
+            rows, cols = batch.flat
+            slots, pos = batch.slots[rows], batch.pos[rows, cols]
+            kc[slots, :, pos] = k[0].transpose(0, 1)
+            vc[slots, :, pos] = v[0]
+            keys, values = kc[batch.slots, :, :kv_len], vc[batch.slots, :, :kv_len]
+            queries = q.new_zeros(batch.b, q.shape[1], n, q.shape[3])  # padding queries: computed, never read
+            queries[rows, :, cols] = q[0].transpose(0, 1)
+            out = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=batch.mask, scale=self.scaling,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
+            return out[rows, :, cols].transpose(0, 1)[None]
+        if batch.b == 1 and not batch.static:  # plain slice writes and views: no gather
             s0, p0 = batch.rows[0][2].index, batch.rows[0][1]
             kc[s0, :, p0 : p0 + n] = k[0]
             vc[s0, :, p0 : p0 + n] = v[0].transpose(0, 1)
@@ -162,9 +204,10 @@ class NativeTarget(TargetRunner):
         )
 
     def _mix(self, li: int, layer: nn.Module, x: torch.Tensor, batch: Batch, rope: Rope) -> torch.Tensor:
-        """Layer `li`'s token mixer on its normed input x [b, n, H]: self-attention over the slot cache."""
+        """Layer `li`'s token mixer on its normed input x [b, n, H] (ragged: [1, T, H]): self-attention over the
+        slot cache."""
         attn = layer.self_attn
-        b, n = batch.b, batch.n
+        b, n = x.shape[0], x.shape[1]
         q = attn.q_proj(x).view(b, n, self.num_heads, self.head_dim)
         k = attn.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
         v = attn.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
@@ -175,16 +218,10 @@ class NativeTarget(TargetRunner):
         out = self._attend(li, q, k, v, batch)
         return attn.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
-    @torch.inference_mode()
-    def forward_batch(
-        self, rows: Sequence[TargetRow | tuple[list[int], int, Any]], features: bool, last_only: bool = False
-    ) -> list[TargetOutput]:
-        """Several requests in ONE forward; rows shorter than the longest are padded (padding is never visible)."""
-        batch = self._batch(rows)
-        b, n = batch.b, batch.n
-        ids = torch.tensor([t + [t[-1]] * (n - len(t)) for t, _, _ in rows], device=self.device)
+    def _trunk(self, ids: torch.Tensor, batch: Batch, features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layers over token ids [b, n]: final-normed hidden states, and the draft features when asked."""
         h = self.embed_tokens(ids)
-        rope = self.rotary(h, batch.pos)
+        rope = self.rotary(h, batch.pos if batch.flat is None else batch.pos[batch.flat][None])
         # transformers' numbering: hidden state j is the input of layer j (0: the embeddings) and hidden state
         # num_layers comes after the final norm; the feature of target layer i is hidden state i + 1.
         hidden_ids = [i + 1 for i in self.layer_ids] if features else []
@@ -197,10 +234,27 @@ class NativeTarget(TargetRunner):
         h = self.norm(h)
         if self.num_layers in hidden_ids:
             hidden[self.num_layers] = h
+        feat = torch.cat([hidden[j] for j in hidden_ids], dim=-1) if hidden_ids else None
+        return h, feat
+
+    @torch.inference_mode()
+    def forward_batch(
+        self, rows: Sequence[TargetRow | tuple[list[int], int, Any]], features: bool, last_only: bool = False
+    ) -> list[TargetOutput]:
+        """Several requests in ONE forward; rows shorter than the longest are padded (padding is never visible).
+        A decode step that fits a static bucket runs the static (compiled) step."""
+        static = self._static_rows(rows, features) if self._step is not None and not last_only else None
+        if static is not None:
+            return static
+        batch = self._batch(rows)
+        b, n = batch.b, batch.n
+        if self.ragged and b > 1 and any(len(t) != n for t, _, _ in rows):
+            return self._forward_ragged(rows, batch, features, last_only)
+        ids = torch.tensor([t + [t[-1]] * (n - len(t)) for t, _, _ in rows], device=self.device)
+        h, feat = self._trunk(ids, batch, features)
         if last_only:
             h = h[torch.arange(b, device=self.device), batch.lengths - 1][:, None]
         logits = self.lm_head(h).float()
-        feat = torch.cat([hidden[j] for j in hidden_ids], dim=-1) if hidden_ids else None
         outs = []
         for r, (tokens, start, cache) in enumerate(rows):
             m = len(tokens)
@@ -208,3 +262,93 @@ class NativeTarget(TargetRunner):
             row_logits = logits[r] if last_only else logits[r, :m]
             outs.append(TargetOutput(row_logits, feat[r, :m] if feat is not None else None))
         return outs
+
+    def _forward_ragged(
+        self, rows: Sequence[TargetRow | tuple[list[int], int, Any]], batch: Batch, features: bool, last_only: bool
+    ) -> list[TargetOutput]:
+        """Rows of different lengths as one sequence of their real tokens: a verify step whose rows have different
+        widths costs the sum of the widths, not rows x the widest."""
+        lengths = [len(t) for t, _, _ in rows]
+        row_of = torch.repeat_interleave(torch.arange(batch.b, device=self.device),
+                                         torch.tensor(lengths, device=self.device))
+        ends = torch.tensor(lengths, device=self.device).cumsum(0)
+        col_of = torch.arange(int(ends[-1]), device=self.device) - (ends - batch.lengths)[row_of]
+        batch.flat = (row_of, col_of)
+        ids = torch.tensor([tok for t, _, _ in rows for tok in t], device=self.device)[None]
+        h, feat = self._trunk(ids, batch, features)
+        if last_only:
+            h = h[:, ends - 1]
+        logits = self.lm_head(h[0]).float()
+        outs = []
+        start_of = 0
+        for r, (tokens, start, cache) in enumerate(rows):
+            m = len(tokens)
+            cache.length = start + m
+            row_logits = logits[r : r + 1] if last_only else logits[start_of : start_of + m]
+            row_feat = feat[0, start_of : start_of + m] if feat is not None else None
+            outs.append(TargetOutput(row_logits, row_feat))
+            start_of += m
+        return outs
+
+    # ---- the static step ----
+    def _static_forward(
+        self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, key_pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The padded step: ids, pos [b, n], slots [b], key_pos [L] (the key bucket). Logits [b, n, V] float32 and
+        the features [b, n, F] (always computed when the runner has layer ids: one shape per bucket)."""
+        b, n = ids.shape
+        mask = (key_pos[None, None, :] <= pos[:, :, None])[:, None]
+        batch = Batch((), b, n, None, pos, slots, key_pos.shape[0], mask, static=True)  # type: ignore[arg-type]
+        h, feat = self._trunk(ids, batch, bool(self.layer_ids))
+        return self.lm_head(h).float(), feat
+
+    def _static_rows(
+        self, rows: Sequence[TargetRow | tuple[list[int], int, Any]], features: bool
+    ) -> list[TargetOutput] | None:
+        """The rows through the static step, or None when they fit no bucket (the eager forward runs them)."""
+        assert self.static is not None
+        bb = self.static.batch_bucket(len(rows))
+        nb = self.static.width_bucket(max(len(t) for t, _, _ in rows))
+        if bb is None or nb is None or any(s + len(t) > self.max_len or s > c.length for t, s, c in rows):
+            return None  # the eager forward runs them (and raises on a bad row)
+        scratch = self.max_len
+        ids = [[0] * nb for _ in range(bb)]
+        pos = [[scratch] * nb for _ in range(bb)]
+        slots = [0] * bb  # padding rows write the scratch column of slot 0 only
+        for r, (tokens, start, cache) in enumerate(rows):
+            ids[r][: len(tokens)] = tokens
+            pos[r][: len(tokens)] = range(start, start + len(tokens))
+            slots[r] = cache.index
+        kv_len = max(s + len(t) for t, s, _ in rows)
+        logits, feat = self._run_static(bb, nb, ids, pos, slots, kv_len)
+        outs = []
+        for r, (tokens, start, cache) in enumerate(rows):
+            m = len(tokens)
+            cache.length = start + m
+            outs.append(TargetOutput(logits[r, :m], feat[r, :m] if features and feat is not None else None))
+        return outs
+
+    def _run_static(
+        self, bb: int, nb: int, ids: list[list[int]], pos: list[list[int]], slots: list[int], kv_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        assert self._step is not None and self.static is not None
+        dev = self.device
+        key_pos = torch.arange(kv_bucket(kv_len, self.max_len + 1), device=dev)
+        self.static.calls[(bb, nb)] += 1
+        return self._step(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev),
+                          torch.tensor(slots, device=dev), key_pos)
+
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Compile (on CUDA: record the graph of) every (batch, width) bucket at the smallest key bucket; padding
+        only, so no slot's rows change. Returns the seconds it took."""
+        if self.static is None:
+            return 0.0
+        st, scratch = self.static, self.max_len
+        runs = [
+            (lambda bb=bb, nb=nb: self._run_static(bb, nb, [[0] * nb] * bb, [[scratch] * nb] * bb, [0] * bb, 1))
+            for bb in st.batch_sizes for nb in st.widths
+        ]
+        seconds = timed_warm_up("native target", runs, log)
+        st.calls.clear()
+        return seconds

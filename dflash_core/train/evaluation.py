@@ -37,7 +37,9 @@ def evaluate(
     from dflash_core.sampling import SamplingParams
     from dflash_core.stats import mean_acceptance_length
 
-    spec = load_models(EngineConfig(str(target), str(draft), device=device, dtype="float32"))
+    # keep the training's thread setting (the engine's default would be 1 on a CPU device)
+    spec = load_models(EngineConfig(str(target), str(draft), device=device, dtype="float32",
+                                    threads=torch.get_num_threads()))
     prompts = load_eval_prompts(prompts_path, spec.tokenizer, n)
     params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
     drafts = accepted = tokens = 0
@@ -70,7 +72,7 @@ def evaluate(
         del spec  # the benchmark loads its own copy
         bench = run_offline(load_prompts(str(prompts_path), n), target=str(target), draft=str(draft),
                             device=device, dtype="float32", max_tokens=max_new_tokens, progress=False,
-                            dataset=str(prompts_path))
+                            dataset=str(prompts_path), threads=torch.get_num_threads())
         summary = bench["summary"]
         result.update(
             ar_seconds=summary["plain"]["total_time_s"], ar_tokens_per_s=summary["plain"]["output_tokens_per_s"],

@@ -1,0 +1,304 @@
+"""`dflash-bench gpu-check`: the one-command GPU readiness check (`scripts/gpu_check.sh` runs it).
+
+On a CUDA machine: a test subset on the card (tests whose device is `auto` run on CUDA), then a synthetic benchmark
+with random-weight bf16 targets shaped like Qwen3-8B and Qwen3.5-9B (nothing downloaded): ms per plain step (one
+token a row), per verify step at widths 4, 8 and 16, and per draft step (a z-lab-shaped 5-layer draft proposing
+15 tokens), at batch 1, 4, 16 and 32, eager and compiled (static shapes, CUDA graphs), and the peak memory. It
+reports the physical anchors: the compiled plain step at batch 1 against weights / bandwidth (an H200 reads 4.8
+TB/s: Qwen3-8B's 16.4 GB of bf16 weights bound a plain step near 3.4 ms, 290 tok/s; target within 1.3x) and the
+16-wide verify step against the plain step at batch 1 (target within 1.15x). Writes gpu_check.json and
+gpu_check.png.
+
+`--dry-run` runs the same code on CPU with tiny shapes, eager only (an inductor compile on CPU costs a minute),
+so the check cannot rot; without CUDA and without `--dry-run` it exits 2 with a clear message. The hybrid target
+(Qwen3.5-9B) runs eagerly in both modes: its recurrent layers are not compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dflash_core.bench.errors import BenchError
+from dflash_core.bench.measure import environment
+from dflash_core.bench.memory import MODEL_SHAPES
+from dflash_core.cli_help import HelpFormatter
+
+if TYPE_CHECKING:
+    import torch
+
+H200_BANDWIDTH = 4.8e12  # bytes/s
+PLAIN_BOUND_RATIO = 1.3  # compiled plain step at batch 1 vs weights / bandwidth
+VERIFY_RATIO = 1.15  # 16-wide verify vs plain step at batch 1
+TEST_SUBSET = ["tests/test_native.py", "tests/test_compile.py", "tests/test_bf16.py", "tests/test_hybrid.py",
+               "tests/test_engine.py", "tests/test_memory_budget.py"]
+
+
+@dataclass
+class Plan:
+    """What one run measures."""
+
+    device: torch.device
+    models: dict[str, dict[str, Any]]  # name -> transformers config fields
+    drafts: dict[str, dict[str, Any]]  # name -> DraftConfig fields
+    batches: tuple[int, ...]
+    widths: tuple[int, ...]  # 1 = a plain step
+    context: int  # tokens already in every slot's cache
+    iters: int
+    modes: tuple[str, ...]
+    notes: list[str] = field(default_factory=list)
+
+
+def _tiny(kind: str) -> dict[str, Any]:
+    base = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=1024,
+                tie_word_embeddings=False)
+    if kind == "qwen3_5_text":
+        return dict(base, model_type=kind, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+    return dict(base, model_type="qwen3")
+
+
+def _full(name: str) -> dict[str, Any]:
+    shape = dict(MODEL_SHAPES[name])
+    shape.pop("qk_norm", None)
+    shape.pop("attn_output_gate", None)
+    shape.setdefault("model_type", "qwen3")
+    return shape
+
+
+def _draft_fields(shape: dict[str, Any], target_layers: int) -> dict[str, Any]:
+    ids = [1 + i * max(1, (target_layers - 4) // 4) for i in range(min(5, target_layers - 1))]
+    return dict(hidden_size=shape["hidden_size"], intermediate_size=shape["intermediate_size"],
+                num_hidden_layers=5 if shape["hidden_size"] > 64 else 1,
+                num_attention_heads=shape["num_attention_heads"] if shape["hidden_size"] <= 64 else 32,
+                num_key_value_heads=shape["num_key_value_heads"] if shape["hidden_size"] <= 64 else 8,
+                head_dim=shape["head_dim"] if shape["hidden_size"] <= 64 else 128, vocab_size=shape["vocab_size"],
+                num_target_layers=target_layers, block_size=16, mask_token_id=3, target_layer_ids=ids,
+                max_position_embeddings=shape["max_position_embeddings"])
+
+
+def make_plan(dry_run: bool, iters: int | None = None) -> Plan:
+    """The full check on CUDA, or the tiny CPU dry run."""
+    import torch
+
+    if dry_run:
+        models = {"tiny-qwen3": _tiny("qwen3"), "tiny-qwen3.5": _tiny("qwen3_5_text")}
+        return Plan(torch.device("cpu"), models, {k: _draft_fields(v, v["num_hidden_layers"]) for k, v in
+                                                 models.items()}, (1, 2), (1, 4), 32, iters or 2, ("eager",),
+                    ["dry run: tiny shapes on CPU, eager only"])
+    if not torch.cuda.is_available():
+        raise BenchError("gpu-check needs a CUDA GPU (torch.cuda.is_available() is False); "
+                         "`scripts/gpu_check.sh --dry-run` runs it on CPU with tiny shapes")
+    models = {"Qwen3-8B": _full("Qwen/Qwen3-8B"), "Qwen3.5-9B": _full("Qwen/Qwen3.5-9B")}
+    return Plan(torch.device("cuda"), models, {k: _draft_fields(v, v["num_hidden_layers"]) for k, v in
+                                               models.items()}, (1, 4, 16, 32), (1, 4, 8, 16), 1024, iters or 20,
+                ("eager", "compiled"))
+
+
+def _config(fields: dict[str, Any]) -> Any:
+    from transformers import Qwen3Config
+    from transformers.models.qwen3_5 import Qwen3_5TextConfig
+
+    fields = dict(fields)
+    kind = fields.pop("model_type", "qwen3")
+    return (Qwen3_5TextConfig if kind == "qwen3_5_text" else Qwen3Config)(**fields)
+
+
+def _sync(device: torch.device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_ms(fn: Any, device: torch.device, iters: int) -> float:
+    fn()  # warm: compiles, records graphs
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def _measure_model(name: str, plan: Plan, mode: str) -> list[dict[str, Any]]:
+    """ms per step for every (kind, batch, width) of one model in one mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dflash_core.compile import StaticShapes
+    from dflash_core.config import DraftConfig
+    from dflash_core.draft import DFlashDraft
+    from dflash_core.runners.base import DraftRequest
+    from dflash_core.runners.drafter import DFlashDrafter
+    from dflash_core.runners.hybrid import HYBRID_MODEL_TYPES, HybridTarget
+    from dflash_core.runners.native import NativeTarget
+
+    dev, dtype = plan.device, torch.bfloat16
+    torch.manual_seed(0)
+    with dev:
+        model = AutoModelForCausalLM.from_config(_config(plan.models[name]), dtype=dtype).eval()
+        draft = DFlashDraft(DraftConfig(**plan.drafts[name])).to(dtype).eval()
+    hybrid = model.config.model_type in HYBRID_MODEL_TYPES
+    compiled = mode == "compiled" and not hybrid
+    if mode == "compiled" and hybrid:
+        plan.notes.append(f"{name}: hybrid runner, compiled rows are eager")
+    max_slots, max_len = max(plan.batches), plan.context + 64
+    static = StaticShapes(plan.batches, plan.widths) if compiled else None
+    runner_cls = HybridTarget if hybrid else NativeTarget
+    kwargs = {} if hybrid else {"static": static}
+    target = runner_cls(model, draft.cfg.target_layer_ids, max_slots=max_slots, max_len=max_len, **kwargs)
+    draft_static = StaticShapes(plan.batches, tuple(sorted({*plan.widths, 16}))) if compiled else None
+    drafter = DFlashDrafter(draft, target, block_size=16, max_slots=max_slots, max_len=max_len, static=draft_static)
+    caches = [target.new_cache(i) for i in range(max_slots)]
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    rows: list[dict[str, Any]] = []
+    feat = torch.zeros(4, len(draft.cfg.target_layer_ids) * draft.cfg.hidden_size, device=dev, dtype=dtype)
+    states = [drafter.new_state(i, []) for i in range(max_slots)]
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    for b in plan.batches:
+        for width in plan.widths:
+            def verify(b: int = b, width: int = width) -> None:
+                for c in caches[:b]:
+                    c.length = plan.context  # the same context every call: timing, not decoding
+                    if hybrid:
+                        target.crop(c, plan.context)
+                target.forward_batch([([5] * width, plan.context, c) for c in caches[:b]], features=True)
+            ms = _time_ms(verify, dev, plan.iters)
+            rows.append(dict(model=name, mode=mode, kind="plain" if width == 1 else "verify", batch=b, width=width,
+                             ms=ms))
+
+        def propose(b: int = b) -> None:
+            for st in states[:b]:
+                st.pending[:] = [feat]  # 4 accepted rows of context a step
+            drafter.propose_scored([DraftRequest(st, 5, plan.context, 15) for st in states[:b]])
+        rows.append(dict(model=name, mode=mode, kind="draft", batch=b, width=16, ms=_time_ms(propose, dev,
+                                                                                               plan.iters)))
+    peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+    for r in rows:
+        r.update(weights_bytes=weights, peak_memory_bytes=peak)
+    return rows
+
+
+def anchors(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The physical anchors per model: compiled plain b1 vs weights / H200 bandwidth, verify-16 vs plain at b1."""
+    out: dict[str, Any] = {}
+    for name in sorted({r["model"] for r in rows}):
+        def ms(kind: str, width: int, name: str = name) -> float | None:
+            found = [r["ms"] for r in rows if r["model"] == name and r["kind"] == kind and r["batch"] == 1
+                     and r["width"] == width and r["mode"] == ("compiled" if any(
+                         x["mode"] == "compiled" for x in rows) else "eager")]
+            return found[0] if found else None
+        weights = next(r["weights_bytes"] for r in rows if r["model"] == name)
+        bound_ms = weights / H200_BANDWIDTH * 1e3
+        plain, verify = ms("plain", 1), ms("verify", 16)
+        out[name] = dict(
+            bound_ms_h200=bound_ms, plain_ms=plain, verify16_ms=verify,
+            plain_vs_bound=None if plain is None else plain / bound_ms, plain_vs_bound_target=PLAIN_BOUND_RATIO,
+            verify16_vs_plain=None if plain is None or verify is None else verify / plain,
+            verify16_vs_plain_target=VERIFY_RATIO)
+    return out
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
+    for ax, name in zip(axes[0], models):
+        series = sorted({(r["mode"], r["kind"], r["width"]) for r in rows if r["model"] == name})
+        for mode, kind, width in series:
+            pts = sorted((r["batch"], r["ms"]) for r in rows
+                         if (r["model"], r["mode"], r["kind"], r["width"]) == (name, mode, kind, width))
+            ax.plot(*zip(*pts), marker="o", linestyle="-" if mode == "compiled" else "--",
+                    label=f"{kind} w{width} {mode}")
+        ax.set(title=name, xlabel="batch", ylabel="ms per step", xscale="log")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def run_tests(tests: list[str]) -> dict[str, Any]:
+    """pytest over `tests` on this machine (device auto: CUDA); the exit code and the summary line."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", *tests], capture_output=True, text=True)
+    last = (proc.stdout.strip().splitlines() or [""])[-1]
+    return dict(tests=tests, returncode=proc.returncode, summary=last, seconds=time.perf_counter() - t0)
+
+
+def run_gpu_check(out_dir: Path, dry_run: bool, tests: bool = True, iters: int | None = None) -> dict[str, Any]:
+    """The whole check; writes gpu_check.json (and gpu_check.png with matplotlib) to `out_dir`."""
+    import torch
+
+    plan = make_plan(dry_run, iters)
+    t0 = time.perf_counter()
+    result: dict[str, Any] = dict(mode="gpu-check", dry_run=dry_run, environment=environment())
+    if plan.device.type == "cuda":
+        result["device_name"] = torch.cuda.get_device_name(plan.device)
+    result["tests"] = run_tests(TEST_SUBSET) if tests and not dry_run else None
+    rows = []
+    with torch.inference_mode():
+        for name in plan.models:
+            for mode in plan.modes:
+                rows.extend(_measure_model(name, plan, mode))
+                if plan.device.type == "cuda":
+                    torch.cuda.empty_cache()  # the last model's weights and caches are unreferenced now
+    result.update(rows=rows, anchors=anchors(rows), notes=plan.notes, seconds=time.perf_counter() - t0)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    result["plot"] = str(out_dir / "gpu_check.png") if _plot(rows, out_dir / "gpu_check.png") else None
+    return result
+
+
+def format_gpu_check(result: dict[str, Any]) -> str:
+    """A short terminal report: the steps, then the anchors."""
+    lines = [f"{'model':14} {'mode':9} {'kind':7} {'batch':>5} {'width':>5} {'ms':>9}"]
+    for r in result["rows"]:
+        lines.append(f"{r['model']:14} {r['mode']:9} {r['kind']:7} {r['batch']:5d} {r['width']:5d} {r['ms']:9.3f}")
+    for name, a in result["anchors"].items():
+        pb = "n/a" if a["plain_vs_bound"] is None else f"{a['plain_vs_bound']:.2f}x"
+        vp = "n/a" if a["verify16_vs_plain"] is None else f"{a['verify16_vs_plain']:.2f}x"
+        lines.append(f"{name}: plain step b1 vs weights/4.8 TB/s: {pb} (target <= {PLAIN_BOUND_RATIO}x); "
+                     f"verify-16 vs plain b1: {vp} (target <= {VERIFY_RATIO}x)")
+    if result.get("tests"):
+        lines.append(f"tests: {result['tests']['summary']} (exit {result['tests']['returncode']})")
+    lines += [f"note: {n}" for n in result["notes"]]
+    return "\n".join(lines)
+
+
+def add_parser(sub: Any) -> None:
+    """The `gpu-check` mode's arguments."""
+    p = sub.add_parser(
+        "gpu-check", help="GPU readiness: tests, eager vs compiled step times",
+        description=__doc__.split("\n\n")[1], formatter_class=HelpFormatter)
+    p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU, eager only (CI)")
+    p.add_argument("--no-tests", action="store_true", help="skip the test subset")
+    p.add_argument("--iters", type=int, default=None, help="timed calls per measurement (default: 20; dry run 2)")
+    p.add_argument("--output-dir", type=Path, default=Path("gpu-check"),
+                   help="where gpu_check.json and gpu_check.png go (default: gpu-check)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the mode; 0 when it ran and (on CUDA) the tests passed."""
+    try:
+        result = run_gpu_check(args.output_dir, args.dry_run, tests=not args.no_tests, iters=args.iters)
+    except BenchError as exc:
+        print(f"dflash-bench: error: {exc}", file=sys.stderr)
+        return exc.code
+    print(format_gpu_check(result) + f"\nwrote {args.output_dir / 'gpu_check.json'}")
+    return 1 if result["tests"] and result["tests"]["returncode"] else 0

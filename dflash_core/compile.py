@@ -1,0 +1,132 @@
+"""Static shapes for the decode step, and `torch.compile` of the step functions.
+
+A decode step (a verify forward of the target, a proposal of the draft) is padded to a bucket: the batch to the
+smallest batch size of `batch_sizes` that holds it, the tokens per row to the smallest of `widths`, and the keys it
+attends over to a power of two (`kv_bucket`), capped at the cache's columns. A bounded set of shapes can then go
+through `torch.compile`; on CUDA `mode="reduce-overhead"` records a CUDA graph per shape, so a step is one graph
+replay instead of hundreds of kernel launches. Prefill (long, ragged prompts) stays eager.
+
+The batch, width and key-length dimensions are marked dynamic (`maybe_mark_dynamic`), so inductor compiles a
+handful of graphs (a dimension of size 1, or one whose size minus one is 1, is specialised) instead of one per
+bucket; CUDA graphs are still recorded per concrete shape. `StepFunction` clones a compiled step's outputs on CUDA,
+since the next replay overwrites the graph's output memory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dflash_core.config import parse_sizes
+
+__all__ = ["DEFAULT_WIDTHS", "StaticShapes", "StepFunction", "compile_enabled", "default_batch_sizes", "kv_bucket",
+           "parse_sizes", "timed_warm_up"]
+
+DEFAULT_WIDTHS = (1, 2, 4, 8, 16)  # the engine's verify widths (1 = a plain step)
+MIN_KV_BUCKET = 256
+RECOMPILE_LIMIT = 64  # per step function: a few graphs per (batch, width) class, one per kv bucket when static
+
+
+def default_batch_sizes(max_slots: int) -> tuple[int, ...]:
+    """Powers of two up to the slot count, and the slot count itself: 1, 2, 4, 8 for 8 slots."""
+    sizes = {max_slots}
+    b = 1
+    while b < max_slots:
+        sizes.add(b)
+        b *= 2
+    return tuple(sorted(sizes))
+
+
+def compile_enabled(setting: bool | None, device: torch.device) -> bool:
+    """--compile / --no-compile, or by default: on for CUDA, off elsewhere (a CPU compile costs seconds a shape)."""
+    return device.type == "cuda" if setting is None else bool(setting)
+
+
+def kv_bucket(kv_len: int, cap: int) -> int:
+    """Keys a step attends over: the next power of two >= kv_len (at least MIN_KV_BUCKET), at most `cap`."""
+    n = MIN_KV_BUCKET
+    while n < kv_len:
+        n *= 2
+    return min(n, cap)
+
+
+def _bucket(sizes: Sequence[int], n: int) -> int | None:
+    return next((s for s in sizes if s >= n), None)
+
+
+@dataclass
+class StaticShapes:
+    """The buckets a runner pads its decode steps to, and whether the padded step is compiled.
+
+    `compiled` False runs the same padded step eagerly (the reference the compiled one is tested against).
+    `calls` counts the steps run per (batch bucket, width bucket): what a test or a benchmark checks ran.
+    """
+
+    batch_sizes: tuple[int, ...]
+    widths: tuple[int, ...] = DEFAULT_WIDTHS
+    compiled: bool = True
+    mode: str | None = None  # torch.compile mode; None: "reduce-overhead" on CUDA, "default" elsewhere
+    calls: Counter[tuple[int, int]] = field(default_factory=Counter)
+
+    def batch_bucket(self, b: int) -> int | None:
+        return _bucket(self.batch_sizes, b)
+
+    def width_bucket(self, n: int) -> int | None:
+        return _bucket(self.widths, n)
+
+    def wrap(
+        self, fn: Callable[..., Any], device: torch.device, dynamic: dict[int, tuple[int, ...]] | None = None
+    ) -> StepFunction:
+        """`fn` as a step function: compiled (or not), its outputs safe to keep past the next call. `dynamic`:
+        argument index -> the dimensions of that tensor argument that vary between buckets."""
+        return StepFunction(fn, device, self.compiled, self.mode, dynamic or {})
+
+
+class StepFunction:
+    """A padded step function, compiled on first call of each shape class.
+
+    Under CUDA graphs the outputs live in the graph's memory pool and the next replay overwrites them, so they are
+    cloned before they are returned (the engine keeps a step's features for the next draft).
+    """
+
+    def __init__(
+        self, fn: Callable[..., Any], device: torch.device, compiled: bool, mode: str | None,
+        dynamic: dict[int, tuple[int, ...]],
+    ) -> None:
+        self.device = device
+        self.dynamic = dynamic
+        self.cuda = device.type == "cuda"
+        self.compiled = compiled
+        if compiled:
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            mode = mode or ("reduce-overhead" if self.cuda else "default")
+            self.fn = torch.compile(fn, mode=mode, fullgraph=True)
+        else:
+            self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        if self.compiled:
+            for i, dims in self.dynamic.items():
+                for d in dims:
+                    torch._dynamo.maybe_mark_dynamic(args[i], d)
+            if self.cuda:
+                torch.compiler.cudagraph_mark_step_begin()
+        out = self.fn(*args)
+        if not (self.compiled and self.cuda):
+            return out
+        return tuple(None if t is None else t.clone() for t in out)
+
+
+def timed_warm_up(name: str, runs: Sequence[Callable[[], Any]], log: Any) -> float:
+    """Run every bucket's warm-up call once (compiling it, recording its CUDA graph); log and return the seconds."""
+    t0 = time.perf_counter()
+    for run in runs:
+        run()
+    elapsed = time.perf_counter() - t0
+    log.info("%s: %d static shapes compiled in %.1f s", name, len(runs), elapsed)
+    return elapsed

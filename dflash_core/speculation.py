@@ -1,0 +1,296 @@
+"""How much to speculate: the verify width of every request, step by step, from measured costs.
+
+A verify row of width w checks w - 1 draft tokens plus the target's own next token. Wider rows commit more tokens
+when the draft is right and cost more target compute always; under load the cost dominates. The policy:
+
+1. **Which requests draft this step** (`WidthPolicy.drafting`). Each request keeps an average of the tokens its
+   speculative steps committed. Requests are ranked by it and the drafting set is the top-k whose predicted
+   tokens per second (from the measured step costs) is highest; the others take a plain step (width 1, no draft).
+   A request left out this way is re-tried (`retry_after` steps later), since its text may turn predictable.
+2. **Where to cut the proposals** (`WidthPolicy.verify_width`). The draft's probability of each proposed token
+   gives the running product q_k, roughly the chance that the first k + 1 proposals are all accepted, so a row of
+   width w is expected to commit 1 + q_0 + ... + q_{w-2} tokens. The rows of a batched forward are padded to the
+   widest, so the step has one width W, from a fixed set (1, 2, 4, 8, 16) so that compiled or graph-captured
+   shapes stay few: the W whose expected tokens per measured second is highest, within the step's verify-token
+   budget (rows x W; shared by all requests, so widths shrink as concurrency grows). At one request this cuts
+   its proposal where its confidence falls; with several, where their confidences together stop paying.
+
+Cutting a proposal changes only how many tokens a step may accept, never which tokens are committed: every
+committed token is still the target's own choice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+POLICIES = ("adaptive", "fixed")
+
+
+def width_set(block_size: int) -> tuple[int, ...]:
+    """The verify widths a block size allows: the fixed set up to it, and the block size itself."""
+    return tuple(sorted({w for w in WIDTHS if w < block_size} | {max(1, block_size)}))
+
+
+def expected_accepted(confidence: Sequence[float]) -> list[float]:
+    """Expected accepted tokens of a proposal cut after each of its tokens: the running products of the draft's
+    probabilities, summed (the chance that the first k are all right, summed over k)."""
+    out, q, total = [], 1.0, 0.0
+    for c in confidence:
+        q *= max(0.0, min(1.0, float(c)))
+        total += q
+        out.append(total)
+    return out
+
+
+def round_width(width: int, allowed: Sequence[int]) -> int:
+    """The largest allowed width <= `width` (1 at least)."""
+    return max((w for w in allowed if w <= width), default=1)
+
+
+class LinearCost:
+    """Seconds of a forward for a number of tokens, from measurements.
+
+    Two views of the same samples: a table of running averages per power-of-two token bucket (a forward's cost
+    is flat while launches dominate, then grows with the tokens, which a line fits badly), and a least-squares
+    line a + b x tokens over the latest samples for token counts no step has measured yet. Until it has samples
+    at two token counts the line's slope is 0 (every token free), which makes the policy speculate fully: the
+    behaviour of a fixed block.
+    """
+
+    def __init__(self, window: int = 128, ema: float = 0.2) -> None:
+        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self.table: dict[int, float] = {}  # bucket (a power of two) -> running average seconds
+        self.ema = ema
+        self._fit: tuple[float, float] | None = None
+
+    @staticmethod
+    def bucket(tokens: float) -> int:
+        """The power of two nearest above `tokens` (1 at least)."""
+        return 1 << max(0, math.ceil(math.log2(max(tokens, 1.0))))
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0 and math.isfinite(seconds):
+            self.samples.append((int(tokens), float(seconds)))
+            self._fit = None
+            b = self.bucket(tokens)
+            old = self.table.get(b)
+            self.table[b] = seconds if old is None else old + self.ema * (seconds - old)
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.samples)
+
+    def coefficients(self) -> tuple[float, float]:
+        """(intercept, slope) of the fitted line, in seconds and seconds per token; both >= 0."""
+        if self._fit is None:
+            self._fit = self._solve()
+        return self._fit
+
+    def _solve(self) -> tuple[float, float]:
+        if not self.samples:
+            return 0.0, 0.0
+        n = len(self.samples)
+        mx = sum(t for t, _ in self.samples) / n
+        my = sum(s for _, s in self.samples) / n
+        sxx = sum((t - mx) ** 2 for t, _ in self.samples)
+        if sxx <= 0:
+            return my, 0.0
+        slope = max(0.0, sum((t - mx) * (s - my) for t, s in self.samples) / sxx)
+        intercept = my - slope * mx
+        if intercept < 0:  # a line through the origin then: cost proportional to tokens
+            intercept, slope = 0.0, sum(s for _, s in self.samples) / sum(t for t, _ in self.samples)
+        return intercept, slope
+
+    def __call__(self, tokens: float) -> float:
+        """Predicted seconds: between the two measured buckets around `tokens`, linearly; the bucket above when
+        only it is measured; else the line."""
+        hi = self.bucket(tokens)
+        measured = self.table.get(hi)
+        if measured is None:
+            a, b = self.coefficients()
+            return a + b * max(tokens, 0.0)
+        below = self.table.get(hi // 2) if hi > 1 else None
+        if below is None or tokens >= hi:
+            return measured
+        frac = (tokens - hi // 2) / (hi - hi // 2)
+        return below + max(0.0, measured - below) * frac
+
+
+@dataclass
+class StepCosts:
+    """Measured costs of the two forwards of a step: the target's (prefill, verify, plain) and the draft's."""
+
+    target: LinearCost = field(default_factory=LinearCost)
+    draft: LinearCost = field(default_factory=LinearCost)
+
+    def plain_step(self, num_requests: int) -> float:
+        """Seconds a plain decoding step of `num_requests` requests would take (one token each)."""
+        return self.target(num_requests)
+
+
+@dataclass
+class SpecState:
+    """A request's speculation history, kept by the policy."""
+
+    mean_committed: float  # tokens a speculative step committed, running average (optimistic at first)
+    plain_streak: int = 0  # plain steps since it last drafted
+    retry_after: int = 4
+
+
+class WidthPolicy:
+    """Chooses who drafts, how many tokens the draft proposes, and the step's verify width (module docstring).
+
+    Rows of a batched forward are padded to the widest, so one width W serves the whole step: a row's proposal
+    is cut at W - 1 (or shorter when the draft proposed less), and W is where the predicted tokens per second
+    peak. `policy="fixed"` drafts every request at the full block (the paper's and vLLM's fixed
+    `num_speculative_tokens`); `"adaptive"` uses the measured costs. A step's verify budget (from the scheduler)
+    bounds batch x W either way.
+    """
+
+    def __init__(self, block_size: int, policy: str = "adaptive", ema: float = 0.15,
+                 max_retry_after: int = 128, padded: bool = True) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"speculation policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.block_size = block_size
+        self.policy = policy
+        self.padded = padded  # the target pads a batch's rows to the widest (else it runs their tokens ragged)
+        self.allowed = width_set(block_size)
+        self.costs = StepCosts()
+        self.ema = ema
+        self.max_retry_after = max_retry_after
+        self.mean_committed = (block_size + 1) / 2  # over all requests' speculative steps (optimistic at first)
+        # accepted draft tokens over the draft's own expectation (the running products of its probabilities
+        # summed): drafts are not calibrated, the demo's accepts about 1.2x what its probabilities promise
+        self.calibration = 1.0
+        self._expected = self._accepted = 0.0
+
+    @property
+    def adaptive(self) -> bool:
+        return self.policy == "adaptive" and self.costs.target.ready and self.costs.draft.ready
+
+    def new_state(self) -> SpecState:
+        """A new request starts from what recent requests committed per speculative step."""
+        return SpecState(mean_committed=self.mean_committed)
+
+    def _round_up(self, width: float) -> int:
+        return min((w for w in self.allowed if w >= width), default=self.allowed[-1])
+
+    # ---- 1. who drafts, and how far ----
+    def drafting(self, states: Sequence[SpecState], room: Sequence[int]) -> list[int]:
+        """Draft tokens to ask for, per request (0: a plain step). `room[i]` is the most request i may draft
+        (B - 1, fewer near its max_tokens)."""
+        if not self.adaptive:
+            return list(room)
+        n = len(states)
+        order = sorted((i for i in range(n) if room[i] > 0), key=lambda i: -states[i].mean_committed)
+        if not order:
+            return [0] * n
+        # the draft proposes about twice what the best request has been committing (a width in the set)
+        width = self._round_up(min(2 * states[order[0]].mean_committed, self.block_size))
+        best_k, best_rate = 0, n / max(self.costs.plain_step(n), 1e-9)
+        tokens = float(n)
+        for k, i in enumerate(order, start=1):
+            tokens += states[i].mean_committed - 1.0
+            verified = n * width if self.padded else n + k * (width - 1)
+            seconds = self.costs.target(verified) + self.costs.draft(k * width)
+            if tokens / max(seconds, 1e-9) > best_rate:
+                best_k, best_rate = k, tokens / max(seconds, 1e-9)
+        chosen = set(order[:best_k])
+        for i in order[best_k:]:  # left out: re-try one that has waited long enough, on a step that drafts anyway
+            # (with other requests, a draft forward for re-tries alone costs its whole launch overhead for little:
+            # wait 4x longer; a lone request's re-try is cheap next to what a wrong plain streak loses)
+            wait = states[i].retry_after * (1 if chosen or n == 1 else 4)
+            if states[i].plain_streak >= wait:
+                chosen.add(i)
+        return [min(room[i], width - 1) if i in chosen else 0 for i in range(n)]
+
+    # ---- 2. how wide ----
+    def widths(self, confidences: Sequence[Sequence[float]], budget: int | None = None) -> list[int]:
+        """Draft tokens each row verifies (a prefix of its proposal; 0 for a plain row). Padded rows share the
+        step's width (`verify_width`); ragged rows each get the width, from the set, where the step's predicted
+        tokens per second peak, within the budget on their verify tokens."""
+        if self.padded or not self.adaptive:
+            w = self.verify_width(confidences, budget)
+            return [min(w - 1, len(c)) for c in confidences]
+        n = len(confidences)
+        gains = [[0.0] + [min(float(k), self.calibration * g) for k, g in enumerate(expected_accepted(c), start=1)]
+                 for c in confidences]
+        steps = [sorted({w - 1 for w in self.allowed if w - 1 <= len(c)} | {len(c)}) for c in confidences]
+        keep = [0] * n
+        tokens, verified = float(n), n
+        spent = self.costs.draft(0) if any(confidences) else 0.0
+        limit = budget if budget is not None else math.inf
+        while True:  # greedy: the upgrade (a row to its next width) that raises the predicted rate most
+            rate = tokens / max(spent + self.costs.target(verified), 1e-9)
+            best: tuple[float, int, int] | None = None
+            for r in range(n):
+                nxt = next((k for k in steps[r] if k > keep[r]), None)
+                if nxt is None or verified + nxt - keep[r] > limit:
+                    continue
+                t = tokens + gains[r][nxt] - gains[r][keep[r]]
+                new_rate = t / max(spent + self.costs.target(verified + nxt - keep[r]), 1e-9)
+                if new_rate > rate and (best is None or new_rate > best[0]):
+                    best = (new_rate, r, nxt)
+            if best is None:
+                return keep
+            _, r, nxt = best
+            tokens += gains[r][nxt] - gains[r][keep[r]]
+            verified += nxt - keep[r]
+            keep[r] = nxt
+
+    def verify_width(self, confidences: Sequence[Sequence[float]], budget: int | None = None) -> int:
+        """The step's verify width W for rows whose proposals carry these draft probabilities ([] for a plain
+        row): each row then verifies min(W - 1, its proposal) draft tokens. `budget` bounds rows x W."""
+        rows = len(confidences)
+        longest = max((len(c) for c in confidences), default=0)
+        if self.adaptive:  # the set, and the whole proposals (shorter than a block near max_tokens)
+            candidates = sorted({w for w in self.allowed if w <= longest + 1} | {longest + 1})
+        else:
+            candidates = [longest + 1]  # the whole proposals: the block size, or less near max_tokens
+        if budget is not None and rows * candidates[-1] > budget:
+            fits = [w for w in self.allowed if rows * w <= budget and w <= longest + 1]
+            candidates = fits[-1:] or [1]
+        if len(candidates) == 1:
+            return candidates[0]
+        gains = []
+        for conf in confidences:  # expected accepted tokens of a row at each width: running products summed
+            row = [0.0]
+            for k, acc in enumerate(expected_accepted(conf), start=1):
+                row.append(min(float(k), self.calibration * acc))
+            gains.append(row)
+        draft_spent = self.costs.draft(0) if longest else 0.0
+        best_w, best_rate = 1, -1.0
+        for w in candidates:
+            tokens = sum(1.0 + g[min(w - 1, len(g) - 1)] for g in gains)
+            rate = tokens / max(self.costs.target(rows * w) + draft_spent, 1e-9)
+            if rate > best_rate:
+                best_w, best_rate = w, rate
+        return best_w
+
+    # ---- after the step ----
+    def calibrate(self, verified_confidence: Sequence[float], accepted: int) -> None:
+        """Record a verified proposal (the draft's probabilities of the tokens verified) and how many of its
+        tokens were accepted; the calibration factor is their ratio over recent steps."""
+        if not verified_confidence:
+            return
+        expected = expected_accepted(verified_confidence)[-1]
+        decay = 0.98  # about the last 50 proposals
+        self._expected = decay * self._expected + expected
+        self._accepted = decay * self._accepted + accepted
+        if self._expected > 1.0:
+            self.calibration = min(4.0, max(0.25, self._accepted / self._expected))
+
+    def observe(self, state: SpecState, drafted: bool, committed: int) -> None:
+        """Record a request's step: committed tokens of a speculative step, or one more plain step."""
+        if drafted:
+            if state.plain_streak >= state.retry_after:  # a re-try: back off further if it still does not pay
+                state.retry_after = min(state.retry_after * 2, self.max_retry_after)
+            state.plain_streak = 0
+            state.mean_committed += self.ema * (committed - state.mean_committed)
+            self.mean_committed += 0.05 * (committed - self.mean_committed)
+        else:
+            state.plain_streak += 1

@@ -1,0 +1,111 @@
+"""The static, compiled decode step (inductor on CPU) gives the eager forward's outputs: the native target's verify
+step and the batched drafter's proposal, at two batch buckets and two widths.
+
+Kept small for the suite's time: a 1-layer target and draft, batch buckets (2, 4) x two widths, so inductor
+compiles one graph per step function (batch, width and key length are dynamic dimensions; each bucket is still its
+own shape, and on CUDA its own graph).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_core.compile import StaticShapes, default_batch_sizes, kv_bucket, parse_sizes
+from dflash_core.config import DraftConfig
+from dflash_core.draft import DFlashDraft
+from dflash_core.runners.base import DraftRequest
+from dflash_core.runners.drafter import DFlashDrafter
+from dflash_core.runners.native import NativeTarget
+from tests.helpers import make_target
+
+BUCKETS = dict(batch_sizes=(2, 4), widths=(2, 4))
+ALL_BUCKETS = {(2, 2), (2, 4), (4, 2), (4, 4)}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_target(None, layers=1, seed=3)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    torch.manual_seed(4)
+    cfg = DraftConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=384, num_target_layers=1, block_size=4,
+                      mask_token_id=3, max_position_embeddings=1024, target_layer_ids=[0])
+    return DFlashDraft(cfg).eval()
+
+
+def _verify_steps(runner: NativeTarget) -> list:
+    """Prefill three slots, then verify steps of 2 and 3 rows (buckets 2 and 4) at widths 2 and 3 (2 and 4), each
+    followed by a rollback, as the engine does."""
+    g = torch.Generator().manual_seed(0)
+    caches = [runner.new_cache(i) for i in range(3)]
+    outs = []
+    for c, n in zip(caches, (20, 7, 33)):
+        runner.forward(torch.randint(4, 380, (n,), generator=g).tolist(), 0, c, features=True, last_only=True)
+    for rows_n, width in [(2, 2), (3, 3), (2, 3), (3, 2), (3, 3)]:
+        rows = [(torch.randint(4, 380, (width,), generator=g).tolist(), c.length, c) for c in caches[:rows_n]]
+        outs.append(runner.forward_batch(rows, features=True))
+        for c in caches[:rows_n]:
+            runner.crop(c, c.length - 1)  # the last token rejected
+    return outs
+
+
+def test_verify_compiled_equals_eager(model):
+    eager = _verify_steps(NativeTarget(model, [0], max_slots=4, max_len=300))
+    shapes = StaticShapes(**BUCKETS, compiled=True)
+    compiled = _verify_steps(NativeTarget(model, [0], max_slots=4, max_len=300, static=shapes))
+    assert set(shapes.calls) == ALL_BUCKETS  # every step ran the compiled static step
+    for e_step, c_step in zip(eager, compiled, strict=True):
+        for e, c in zip(e_step, c_step, strict=True):
+            assert c.logits.shape == e.logits.shape and c.features.shape == e.features.shape
+            assert torch.equal(c.logits.argmax(-1), e.logits.argmax(-1))
+            torch.testing.assert_close(c.logits, e.logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(c.features, e.features, rtol=1e-5, atol=1e-5)
+
+
+def _proposals(model, draft, static: StaticShapes | None) -> list:
+    """A batched drafter fed the same features: the prompts' (eager: longer than the context buckets), then 2 or 3
+    accepted rows a step (context bucket 4), proposing 3 or 7 tokens (block widths 4 and 8) for 2 and 3 requests
+    (batch buckets 2 and 4). Widths above 2 and contexts above 1 row: a block of 2 (one proposal) or a context of
+    1 row would be one more graph to compile (dimensions of 1 are specialised), and the suite's time counts."""
+    target = NativeTarget(model, [0], max_slots=4, max_len=300)
+    drafter = DFlashDrafter(draft, target, block_size=8, max_slots=4, max_len=300, static=static)
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(3, 200, 64, generator=g)
+    states = [drafter.new_state(i, []) for i in range(3)]
+    pos = [20, 9, 31]
+    for st, p in zip(states, pos):
+        drafter.extend_context(st, feats[0, :p])
+    outs = []
+    for step, (rows_n, n, accepted) in enumerate([(3, 3, 2), (2, 7, 3), (3, 7, 2), (2, 3, 2), (3, 3, 3)]):
+        items = [DraftRequest(states[r], 5 + r + step, pos[r], n) for r in range(rows_n)]
+        outs.append(drafter.propose_scored(items))
+        for r in range(rows_n):
+            drafter.extend_context(states[r], feats[r, pos[r] : pos[r] + accepted])
+            pos[r] += accepted
+    return outs
+
+
+def test_draft_compiled_equals_eager(model, draft):
+    eager = _proposals(model, draft, None)
+    shapes = StaticShapes(batch_sizes=(2, 4), widths=(4, 8), compiled=True)
+    compiled = _proposals(model, draft, shapes)
+    assert set(shapes.calls) == {(2, 4), (2, 8), (4, 4), (4, 8)}  # the four steps after the first ran the compiled step
+    assert sum(shapes.calls.values()) == 4
+    for e_step, c_step in zip(eager, compiled, strict=True):
+        for e, c in zip(e_step, c_step, strict=True):
+            assert c.tokens == e.tokens
+            assert c.confidence == pytest.approx(e.confidence, rel=1e-5, abs=1e-6)
+
+
+def test_buckets_and_sizes():
+    assert default_batch_sizes(8) == (1, 2, 4, 8) and default_batch_sizes(6) == (1, 2, 4, 6)
+    assert parse_sizes("16, 4,1,4", "compile_batch_sizes") == (1, 4, 16)
+    with pytest.raises(ValueError, match="compile_batch_sizes"):
+        parse_sizes("0,2", "compile_batch_sizes")
+    assert kv_bucket(1, 10_000) == 256 and kv_bucket(257, 10_000) == 512 and kv_bucket(9000, 5000) == 5000
+    shapes = StaticShapes((1, 4), (1, 2, 4, 8, 16))
+    assert shapes.batch_bucket(3) == 4 and shapes.batch_bucket(5) is None and shapes.width_bucket(5) == 8
