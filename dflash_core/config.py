@@ -251,10 +251,10 @@ class EngineConfig:
         "adaptive", "verify width policy: adaptive (per step, from the draft's confidence and the measured step "
         "costs: narrower under load, plain steps where drafting does not pay) or fixed (always the full block)")
     max_num_batched_tokens: int | None = _setting(
-        2048, "token budget of one engine step: prefill chunks plus verify rows (rows x width); as vLLM's")
+        2048, "token budget of one engine step: prefill chunks plus verify tokens; as vLLM's")
     prefill_chunk: int | None = _setting(
-        256, "prompt tokens prefilled per step, over all new requests: a long prompt delays running streams by "
-        "one chunk at a time (0 or none: whole prompts)")
+        256, "most prompt tokens prefilled per step, over all new requests (fewer while streams decode: what a "
+        "decode step's time allows), so a long prompt delays running streams a step at a time (0: whole prompts)")
     threads: int | None = _setting(
         None, "torch CPU threads (default: 1 on a CPU device, where small forwards are fastest on one thread; "
         "torch's default on CUDA)")

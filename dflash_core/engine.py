@@ -30,7 +30,7 @@ from dflash_core.sampling import (
 )
 from dflash_core.scheduler import Chunk, Scheduler
 from dflash_core.slots import SlotPool
-from dflash_core.speculation import SpecState, WidthPolicy
+from dflash_core.speculation import SpecState, StepCosts, WidthPolicy
 from dflash_core.stats import RequestStats
 
 log = logging.getLogger("dflash.engine")
@@ -38,6 +38,7 @@ log = logging.getLogger("dflash.engine")
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR = "stop", "length", "abort", "error"
 _KEEP_FINISHED_STATS = 4096
 MIN_PREFILL_ROOM = 32  # prefill tokens a step always has room for, however fast its decode step
+PREFILL_SHARE = 0.5  # a step's prefill chunk may cost this much of a decode step while streams run
 
 
 @dataclass
@@ -198,6 +199,25 @@ class Engine:
         """Requests not yet decoding: waiting for a slot or being prefilled."""
         return self.scheduler.num_waiting()
 
+    def warm_up(self) -> None:
+        """Run two short requests through every path (prefill, draft, verify) before serving: the first forwards
+        of a process are slow (lazy allocations, cold caches), and the width policy's cost measurements should
+        not start from them. The first run's measurements are dropped; the second's seed the policy."""
+        prompt = list(range(min(8, self.target.vocab_size)))
+        for run in range(2):
+            rid = self.add_request(prompt, SamplingParams(max_tokens=2 * self.block_size, ignore_eos=True))
+            while self.is_running(rid):
+                self.step()
+            self.release(rid)
+            if run == 0:
+                self.policy.costs = StepCosts()
+        # keep the measured costs, not what the dummy requests (ignore_eos on a made-up prompt) said of the draft
+        fresh = WidthPolicy(self.block_size, self.policy.policy, padded=self.policy.padded)
+        fresh.costs = self.policy.costs
+        self.policy = fresh
+        self._speedup = None
+        self._decode_seconds = None
+
     def estimated_speedup(self) -> float | None:
         """Committed tokens per second of recent decode steps over what plain steps of the same batch would give,
         from the measured step costs (None until measured; 1.0 without a drafter)."""
@@ -237,14 +257,15 @@ class Engine:
         return outputs
 
     def _prefill_room(self) -> int | None:
-        """While streams decode, the prefill tokens of a step: the most whose measured forward takes no longer
-        than a decode step (a power of two, MIN_PREFILL_ROOM at least), so a long prompt delays running streams
-        by about one step at a time. None (the configured chunk) when nothing decodes or nothing is measured."""
+        """While streams decode, the prefill tokens of a step: the most whose measured forward takes at most
+        PREFILL_SHARE of a decode step (a power of two, MIN_PREFILL_ROOM at least), so a long prompt delays
+        running streams by a fraction of a step at a time. None (the configured chunk) when nothing decodes or
+        nothing is measured."""
         if not self.scheduler.running or self._decode_seconds is None or not self.scheduler.num_waiting():
             return None
         room = MIN_PREFILL_ROOM
         while room < (self.scheduler.prefill_chunk or 1 << 20) and \
-                self.policy.costs.target(2 * room) <= self._decode_seconds:
+                self.policy.costs.target(2 * room) <= PREFILL_SHARE * self._decode_seconds:
             room *= 2
         return room
 
@@ -302,6 +323,13 @@ class Engine:
                 outs.append(exc)
         return outs
 
+    def _forward_tokens(self, rows: list[TargetRow]) -> int:
+        """Tokens a target forward of these rows computes: rows x the widest when the runner pads them, else the
+        sum of their lengths (the cost model's unit)."""
+        if self.target.pads_rows:
+            return len(rows) * max(len(r.token_ids) for r in rows)
+        return sum(len(r.token_ids) for r in rows)
+
     def _prefill_batch(self, chunks: list[Chunk]) -> list[tuple[_Request, StepOutput]]:
         """Prefill this step's chunks in one forward; a request whose prompt is now cached gets its first token."""
         t0 = time.perf_counter()
@@ -321,7 +349,7 @@ class Engine:
         rows = [TargetRow(ch.tokens, ch.start, ch.req.cache) for ch in ready]
         outs = self._forward_rows(rows, self.drafter is not None, last_only=True)
         elapsed = time.perf_counter() - t0
-        self.policy.costs.target.add(len(rows) * max(len(r.token_ids) for r in rows), elapsed)
+        self.policy.costs.target.add(self._forward_tokens(rows), elapsed)
         for ch, out in zip(ready, outs):
             req = ch.req
             req.stats.prefill_time += elapsed
@@ -392,7 +420,7 @@ class Engine:
         rows = [TargetRow([req.output[-1], *props], req.position, req.cache) for req, props in plans]
         outs = self._forward_rows(rows, self.drafter is not None, last_only=False)
         now = time.perf_counter()
-        self.policy.costs.target.add(len(rows) * max(len(r.token_ids) for r in rows), now - t1)
+        self.policy.costs.target.add(self._forward_tokens(rows), now - t1)
         committed = 0
         confidence = {req.id: prop.confidence for req, prop in proposed}
         for (req, props), out, chosen in zip(plans, outs, self._choices(plans, outs)):

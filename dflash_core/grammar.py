@@ -13,11 +13,14 @@ matching its schema" in the two text styles the tool-call parsers read (hermes, 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -49,6 +52,8 @@ class StructuredOutput:
     spec: dict[str, Any] | str | None = None
     strict: bool = False
     start_after: list[int] | None = None
+    # the grammar compiled ahead (`GrammarBackend.precompile`, off the engine's thread): the engine only copies it
+    compiled: CompiledGrammar | None = field(default=None, compare=False, repr=False)
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""
@@ -87,21 +92,82 @@ class TokenMatcher(ABC):
         """The grammar accepted a stop token: nothing may follow."""
 
 
+class CompiledGrammar(ABC):
+    """One `StructuredOutput` compiled by a backend: shared and never advanced; each request matches a copy."""
+
+    def __init__(self, backend: GrammarBackend, structured: StructuredOutput) -> None:
+        self.backend = backend
+        self.kind = structured.kind
+        self.spec = structured.spec  # the very spec compiled (identity: a replaced spec is compiled again)
+
+    def is_for(self, backend: GrammarBackend, structured: StructuredOutput) -> bool:
+        """Whether this is `structured` compiled by `backend`."""
+        return self.backend is backend and self.kind == structured.kind and self.spec is structured.spec
+
+    @abstractmethod
+    def matcher(self, stop_ids: Sequence[int]) -> TokenMatcher:
+        """A fresh matcher at the grammar's start that ends on any of `stop_ids` (a copy: cheap)."""
+
+
 class GrammarBackend(ABC):
-    """Compiles `StructuredOutput`s for one tokenizer and vocabulary."""
+    """Compiles `StructuredOutput`s for one tokenizer and vocabulary.
+
+    Compiling can take long (a big schema, the tokenizer's first read); a server compiles in its preparation
+    threads (`precompile`), so that the engine's thread only copies (`matcher`). `compile` is thread-safe."""
 
     vocab_size: int
 
     @abstractmethod
+    def compile(self, structured: StructuredOutput) -> CompiledGrammar:
+        """`structured` compiled (cached); ValueError naming the problem when it does not compile."""
+
+    def precompile(self, structured: StructuredOutput) -> StructuredOutput:
+        """`structured` carrying its compiled grammar (for the engine to copy)."""
+        return dataclasses.replace(structured, compiled=self.compile(structured))
+
     def matcher(self, structured: StructuredOutput, stop_ids: Sequence[int]) -> TokenMatcher:
-        """A fresh matcher for `structured` that ends on any of `stop_ids`; ValueError when it does not compile."""
+        """A fresh matcher for `structured` that ends on any of `stop_ids`: a copy of its precompiled grammar, else
+        compiled here; ValueError when it does not compile."""
+        compiled = structured.compiled
+        if compiled is None or not compiled.is_for(self, structured):
+            compiled = self.compile(structured)
+        return compiled.matcher(stop_ids)
+
+
+@contextmanager
+def _llguidance_errors(what: str, error: type[Exception] = ValueError) -> Iterator[None]:
+    """llguidance's failures as `error`, panics included: a Rust panic reaches Python as pyo3's PanicException, a
+    BaseException that would otherwise end the thread (the engine's worker) instead of the request."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except ValueError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - see above: PanicException is not an Exception
+        raise error(f"{what}: {type(exc).__name__}: {exc}") from None
+
+
+class _LLGuidanceCompiled(CompiledGrammar):
+    """A compiled LLMatcher at the grammar's start (copied per request)."""
+
+    def __init__(self, backend: LLGuidanceBackend, structured: StructuredOutput, template: Any) -> None:
+        super().__init__(backend, structured)
+        self._llg = backend
+        self.template = template
+
+    def matcher(self, stop_ids: Sequence[int]) -> TokenMatcher:
+        with _llguidance_errors(f"{self.kind} matcher", RuntimeError):
+            m = self.template.deep_copy()
+        return _LLGuidanceMatcher(m, self._llg.ll_tokenizer, stop_ids, self._llg.vocab_size)
 
 
 class LLGuidanceBackend(GrammarBackend):
     """llguidance over a Hugging Face (fast) tokenizer. `vocab_size` is the model's (lm_head) vocabulary: ids
     beyond the tokenizer's are never allowed. The tokenizer's vocabulary is read on the first structured request
     (a fraction of a second, up to a second or so for a large vocabulary, which requests without a grammar never
-    pay); compiled grammars are cached and each request gets a copy."""
+    pay); compiled grammars are cached and each request gets a copy. Thread-safe: the cache and the tokenizer
+    read are locked; two threads compiling the same spec at once both compile it (one is kept)."""
 
     CACHE = 64  # compiled grammars kept (least recently used dropped)
 
@@ -109,46 +175,59 @@ class LLGuidanceBackend(GrammarBackend):
         self.tokenizer = tokenizer
         self.vocab_size = int(vocab_size)
         self._ll_tokenizer: Any = None
-        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str, str], _LLGuidanceCompiled] = OrderedDict()
+        self._lock = threading.Lock()
+        self._tokenizer_lock = threading.Lock()
 
     @property
     def ll_tokenizer(self) -> Any:
         """llguidance's LLTokenizer for this tokenizer (built once), at least `vocab_size` ids wide."""
         if self._ll_tokenizer is None:
-            try:
-                import llguidance.hf
+            with self._tokenizer_lock:
+                if self._ll_tokenizer is None:
+                    try:
+                        with _llguidance_errors("the tokenizer's read"):
+                            import llguidance.hf
 
-                n_vocab = max(self.vocab_size, len(self.tokenizer))
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=n_vocab)
-            except Exception as exc:  # a request error (400), not a server failure
-                raise ValueError(f"structured output is unavailable for this tokenizer: {exc}") from None
+                            n_vocab = max(self.vocab_size, len(self.tokenizer))
+                            self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=n_vocab)
+                    except Exception as exc:  # a request error (400), not a server failure
+                        raise ValueError(f"structured output is unavailable for this tokenizer: {exc}") from None
         return self._ll_tokenizer
 
-    def compile(self, structured: StructuredOutput) -> Any:
-        """A fresh matcher at the grammar's start (the cached template for this spec, copied); ValueError naming the
-        problem when the spec does not compile."""
+    def compile(self, structured: StructuredOutput) -> CompiledGrammar:
         from llguidance import LLMatcher
 
         key = (structured.kind, structured.spec if isinstance(structured.spec, str) else json.dumps(structured.spec))
-        template = self._compiled.get(key)
-        if template is None:
-            grammar = _llguidance_grammar(structured)
-            template = LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        with self._lock:
+            cached = self._compiled.get(key)
+            if cached is not None:
+                self._compiled.move_to_end(key)
+        if cached is not None:
+            return _LLGuidanceCompiled(self, structured, cached.template)
+        grammar = _llguidance_grammar(structured)
+        ll_tokenizer = self.ll_tokenizer
+        with _llguidance_errors(f"{structured.kind} does not compile"):
+            template = LLMatcher(ll_tokenizer, grammar, log_level=0)
             if template.is_error():
                 raise ValueError(f"{structured.kind} does not compile: {template.get_error()}")
-            self._compiled[key] = template
+        compiled = _LLGuidanceCompiled(self, structured, template)
+        with self._lock:
+            self._compiled[key] = compiled
             while len(self._compiled) > self.CACHE:
                 self._compiled.popitem(last=False)
-        self._compiled.move_to_end(key)
-        return template.deep_copy()
-
-    def matcher(self, structured: StructuredOutput, stop_ids: Sequence[int]) -> TokenMatcher:
-        return _LLGuidanceMatcher(self.compile(structured), self.ll_tokenizer, stop_ids, self.vocab_size)
+        return compiled
 
 
 def _llguidance_grammar(structured: StructuredOutput) -> str:
     """llguidance's grammar text for `structured` (checked when the matcher is built); ValueError for what cannot
     even be translated."""
+    with _llguidance_errors(f"{structured.kind} does not compile"):  # a panic too
+        return _translate(structured)
+
+
+def _translate(structured: StructuredOutput) -> str:
+    """`_llguidance_grammar` without the panic guard."""
     from llguidance import LLMatcher
     from llguidance.gbnf_to_lark import any_to_lark
 
@@ -189,7 +268,8 @@ class _LLGuidanceMatcher(TokenMatcher):
     def allowed(self) -> torch.Tensor:
         if self.terminated:
             return torch.zeros(self.vocab_size, dtype=torch.bool)
-        self.m.unsafe_compute_mask_ptr(self.bitmask.data_ptr(), self.bitmask.numel() * self.bitmask.element_size())
+        with _llguidance_errors("grammar matcher failed", RuntimeError):
+            self.m.unsafe_compute_mask_ptr(self.bitmask.data_ptr(), self.bitmask.numel() * self.bitmask.element_size())
         if self.m.is_error():  # a resource limit mid-output: fail this request, not the batch
             raise RuntimeError(f"grammar matcher failed: {self.m.get_error()}")
         bits = (self.bitmask[:, None] >> self.shifts) & 1  # bit j of word w is token 32 w + j
@@ -207,7 +287,8 @@ class _LLGuidanceMatcher(TokenMatcher):
             return self.terminated
         if token in self.ll_eos_ids:  # not this request's stop: never allowed (see allowed)
             return False
-        return self.m.try_consume_tokens([token]) == 1  # unlike consume_token, a rejection leaves no error state
+        with _llguidance_errors("grammar matcher failed", RuntimeError):
+            return self.m.try_consume_tokens([token]) == 1  # unlike consume_token, a rejection leaves no error state
 
     def rollback(self, n: int) -> None:
         if n and self.terminated:
@@ -321,11 +402,15 @@ def tool_call_structure(
     for i, fn in enumerate(functions):
         params = dict(fn.get("parameters") or {"type": "object", "properties": {}})
         # each call is its own schema document: the parameters' definitions move to its root, where their
-        # "#/$defs/..." references point
+        # "#/$defs/..." references point; every other root-relative reference ("#", "#/properties/...") is
+        # rebased onto where the parameters now sit
+        params.pop("$id", None)  # the parameters are no longer a document of their own
+        params = _rebase_refs(params, f"#/properties/{args_key}", fn["name"])
         defs = {k: params.pop(k) for k in ("$defs", "definitions") if k in params}
         schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, args_key: params},
                   "required": ["name", args_key], "additionalProperties": False, **defs, "x-guidance": JSON_OPTIONS}
-        error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema))
+        with _llguidance_errors(f"tool {fn['name']!r}: parameters do not compile"):
+            error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema))
         if error:
             raise ValueError(f"tool {fn['name']!r}: parameters do not compile: {error}")
         rules.append(f"call_{i}: %json {json.dumps(schema)}")
@@ -334,3 +419,42 @@ def tool_call_structure(
     start = f"start: call ({json.dumps(separator)} call)*" if parallel else "start: call"
     body = "body: " + " | ".join(f"call_{i}" for i in range(len(functions)))
     return StructuredOutput("lark", "\n".join([start, f"call: {call}", body, *rules]) + "\n")
+
+
+_DEF_KEYS = ("$defs", "definitions")
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values there are data, not schemas
+
+
+def _rebase_refs(schema: Any, base: str, tool: str) -> Any:
+    """`schema` with its root-relative `$ref`s pointing under `base` (a JSON pointer fragment), except those into
+    its own `$defs` / `definitions`, which move to the new root with it; ValueError for a nested `$id` (the
+    references under it are relative to another document, which the rewrite cannot follow)."""
+
+    def rebase(ref: str) -> str:
+        if ref != "#" and not ref.startswith("#/"):
+            return ref  # a remote reference or an anchor: not root-relative
+        path = ref[1:]
+        if any(path == f"/{k}" or path.startswith(f"/{k}/") for k in _DEF_KEYS):
+            return ref
+        return base + path
+
+    def walk(value: Any, root: bool) -> Any:
+        if isinstance(value, list):
+            return [walk(v, False) for v in value]
+        if not isinstance(value, dict):
+            return value
+        if not root and isinstance(value.get("$id"), str):
+            raise ValueError(f"tool {tool!r}: parameters with a nested $id are not supported")
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            if k == "$ref" and isinstance(v, str):
+                out[k] = rebase(v)
+            elif k == "properties" and isinstance(v, dict):  # property names are names, their values schemas
+                out[k] = {name: walk(sub, False) for name, sub in v.items()}
+            elif k in _DATA_KEYWORDS:
+                out[k] = v
+            else:
+                out[k] = walk(v, False)
+        return out
+
+    return walk(schema, True)

@@ -7,13 +7,15 @@ when the draft is right and cost more target compute always; under load the cost
    speculative steps committed. Requests are ranked by it and the drafting set is the top-k whose predicted
    tokens per second (from the measured step costs) is highest; the others take a plain step (width 1, no draft).
    A request left out this way is re-tried (`retry_after` steps later), since its text may turn predictable.
-2. **Where to cut the proposals** (`WidthPolicy.verify_width`). The draft's probability of each proposed token
-   gives the running product q_k, roughly the chance that the first k + 1 proposals are all accepted, so a row of
-   width w is expected to commit 1 + q_0 + ... + q_{w-2} tokens. The rows of a batched forward are padded to the
-   widest, so the step has one width W, from a fixed set (1, 2, 4, 8, 16) so that compiled or graph-captured
-   shapes stay few: the W whose expected tokens per measured second is highest, within the step's verify-token
-   budget (rows x W; shared by all requests, so widths shrink as concurrency grows). At one request this cuts
-   its proposal where its confidence falls; with several, where their confidences together stop paying.
+2. **Where to cut the proposals** (`WidthPolicy.widths`). The draft's probability of each proposed token gives
+   the running product q_k, roughly the chance that the first k + 1 proposals are all accepted, so a row of width
+   w is expected to commit 1 + q_0 + ... + q_{w-2} tokens (scaled by a calibration factor: accepted over expected
+   on recent steps). Widths come from a fixed set (1, 2, 4, 8, 16 and, for bigger blocks, the block size) so that
+   compiled or graph-captured shapes stay few, and a step's verify tokens stay within its budget (shared by all
+   requests, so widths shrink as concurrency grows). A runner that runs each row's own tokens (the eager native
+   backend: ragged rows) gives every row its own width, grown greedily while the step's predicted tokens per
+   measured second rise; a runner that pads rows to the widest (the compiled static step, the hybrids) gives the
+   step one width W (`verify_width`), cut where the rows' confidences together stop paying.
 
 Cutting a proposal changes only how many tokens a step may accept, never which tokens are committed: every
 committed token is still the target's own choice.
@@ -22,11 +24,14 @@ committed token is still the target's own choice.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+MIN_SAMPLES = 3  # forwards measured before the costs decide anything (until then: full blocks)
+RETRY_AFTER = 4  # plain steps before a request left out of drafting is re-tried (doubling while it does not pay)
 POLICIES = ("adaptive", "fixed")
 
 
@@ -54,17 +59,19 @@ def round_width(width: int, allowed: Sequence[int]) -> int:
 class LinearCost:
     """Seconds of a forward for a number of tokens, from measurements.
 
-    Two views of the same samples: a table of running averages per power-of-two token bucket (a forward's cost
-    is flat while launches dominate, then grows with the tokens, which a line fits badly), and a least-squares
+    Two views of the same samples: a table of the median of the latest samples per power-of-two token bucket (a
+    forward's cost is flat while launches dominate, then grows with the tokens, which a line fits badly; the
+    median ignores outliers such as a first, cold forward), and a least-squares
     line a + b x tokens over the latest samples for token counts no step has measured yet. Until it has samples
     at two token counts the line's slope is 0 (every token free), which makes the policy speculate fully: the
     behaviour of a fixed block.
     """
 
-    def __init__(self, window: int = 128, ema: float = 0.2) -> None:
+    def __init__(self, window: int = 128, per_bucket: int = 9) -> None:
         self.samples: deque[tuple[int, float]] = deque(maxlen=window)
-        self.table: dict[int, float] = {}  # bucket (a power of two) -> running average seconds
-        self.ema = ema
+        self.per_bucket = per_bucket
+        self._recent: dict[int, deque[float]] = {}  # bucket (a power of two) -> its latest samples
+        self.table: dict[int, float] = {}  # bucket -> the median of its latest samples
         self._fit: tuple[float, float] | None = None
 
     @staticmethod
@@ -76,13 +83,14 @@ class LinearCost:
         if tokens > 0 and seconds > 0 and math.isfinite(seconds):
             self.samples.append((int(tokens), float(seconds)))
             self._fit = None
-            b = self.bucket(tokens)
-            old = self.table.get(b)
-            self.table[b] = seconds if old is None else old + self.ema * (seconds - old)
+            recent = self._recent.setdefault(self.bucket(tokens), deque(maxlen=self.per_bucket))
+            recent.append(float(seconds))
+            self.table[self.bucket(tokens)] = statistics.median(recent)
 
     @property
     def ready(self) -> bool:
-        return bool(self.samples)
+        """Enough samples to decide on (the first forwards of a process are often slow: cold caches)."""
+        return len(self.samples) >= MIN_SAMPLES
 
     def coefficients(self) -> tuple[float, float]:
         """(intercept, slope) of the fitted line, in seconds and seconds per token; both >= 0."""
@@ -138,17 +146,16 @@ class SpecState:
 
     mean_committed: float  # tokens a speculative step committed, running average (optimistic at first)
     plain_streak: int = 0  # plain steps since it last drafted
-    retry_after: int = 4
+    retry_after: int = 4  # RETRY_AFTER, doubled by every re-try that the policy would not have chosen
 
 
 class WidthPolicy:
     """Chooses who drafts, how many tokens the draft proposes, and the step's verify width (module docstring).
 
-    Rows of a batched forward are padded to the widest, so one width W serves the whole step: a row's proposal
-    is cut at W - 1 (or shorter when the draft proposed less), and W is where the predicted tokens per second
-    peak. `policy="fixed"` drafts every request at the full block (the paper's and vLLM's fixed
+    With `padded` rows (the runner pads a batch to its widest row) one width W serves the whole step; otherwise
+    each row has its own. `policy="fixed"` drafts every request at the full block (the paper's and vLLM's fixed
     `num_speculative_tokens`); `"adaptive"` uses the measured costs. A step's verify budget (from the scheduler)
-    bounds batch x W either way.
+    bounds its verify tokens either way.
     """
 
     def __init__(self, block_size: int, policy: str = "adaptive", ema: float = 0.15,
@@ -200,6 +207,8 @@ class WidthPolicy:
             if tokens / max(seconds, 1e-9) > best_rate:
                 best_k, best_rate = k, tokens / max(seconds, 1e-9)
         chosen = set(order[:best_k])
+        for i in chosen:  # drafting on merit: its next plain streak starts with a short re-try again
+            states[i].retry_after = RETRY_AFTER
         for i in order[best_k:]:  # left out: re-try one that has waited long enough, on a step that drafts anyway
             # (with other requests, a draft forward for re-tries alone costs its whole launch overhead for little:
             # wait 4x longer; a lone request's re-try is cheap next to what a wrong plain streak loses)

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash_core.grammar import StructuredOutput
+from dflash_core.grammar import GrammarBackend, StructuredOutput
 from server.chat_output import OutputPlan
-from server.constraints import structured_output
+from server.constraints import compile_structured, structured_output
+from server.prompts import PromptBuilder
 from server.protocol import APIError, ChatCompletionRequest
 from server.reasoning import PromptThinking, ReasoningStyle, prompt_thinking, reasoning_style
 from server.tools import tool_parser_class
@@ -32,8 +33,10 @@ class ChatSetup:
         reasoning_parser: str | None,
         tool_call_parser: str | None,
         enable_auto_tool_choice: bool,
+        grammar: GrammarBackend | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.grammar = grammar  # compiles a request's constraint here (None: the engine compiles, or refuses)
         self.reasoning: ReasoningStyle | None = reasoning_style(reasoning_parser) if reasoning_parser else None
         self.tool_call_parser = tool_call_parser
         self.auto_tools = enable_auto_tool_choice
@@ -48,8 +51,17 @@ class ChatSetup:
         tail = self.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
         return prompt_thinking(tail)
 
+    def prepare(
+        self, prompts: PromptBuilder, req: ChatCompletionRequest
+    ) -> tuple[list[int], OutputPlan, StructuredOutput | None]:
+        """``req``'s prompt ids, output plan and constraint (compiled): the whole preparation of a chat request, run
+        in a preparation thread (never on the event loop or the engine's thread)."""
+        prompt = prompts.chat(req)
+        return (prompt, *self.plan(req, prompt))
+
     def plan(self, req: ChatCompletionRequest, prompt: list[int]) -> tuple[OutputPlan, StructuredOutput | None]:
-        """How ``req``'s output is read and constrained (400 for ``auto`` tool choice without a parser)."""
+        """How ``req``'s output is read and constrained, the constraint compiled when there is a grammar backend
+        (400 for ``auto`` tool choice without a parser, or a constraint that does not compile)."""
         thinking = self.thinking(prompt)
         choice = req.effective_tool_choice()
         style = self.tool_call_parser or DEFAULT_TOOL_STYLE
@@ -67,5 +79,7 @@ class ChatSetup:
             parser = tool_parser_class(style)
         start_after = self.end_ids if self.reasoning is not None and thinking is not PromptThinking.CLOSED else None
         structured = structured_output(req, style, start_after or None)
+        if structured is not None and self.grammar is not None:
+            structured = compile_structured(self.grammar, structured, req)
         plan = OutputPlan(self.reasoning, thinking, parser, req.parallel_tool_calls is not False)
         return plan, structured

@@ -7,15 +7,48 @@ reasoning's end marker, unless the prompt already closed the reasoning.
 from __future__ import annotations
 
 import dataclasses
+import json
 
-from dflash_core.grammar import StructuredOutput, tool_call_structure
+from dflash_core.grammar import GrammarBackend, StructuredOutput, tool_call_structure
 from server.protocol import APIError, ChatCompletionRequest, NamedToolChoice
+
+# tools + response_format schema, as JSON: a grammar compiles in time and memory that grow with it
+MAX_SCHEMA_BYTES = 256 * 1024
+
+
+def _param(req: ChatCompletionRequest) -> str:
+    """The field a request's constraint comes from."""
+    return "tools" if req.forced_tool() else "response_format"
+
+
+def check_schema_size(req: ChatCompletionRequest) -> None:
+    """400 when the request's tools and response_format schema together exceed MAX_SCHEMA_BYTES of JSON."""
+    size = sum(len(json.dumps(t.model_dump(exclude_none=True))) for t in req.tools or [])
+    if req.response_format is not None and req.response_format.json_schema is not None:
+        size += len(json.dumps(req.response_format.json_schema.schema_))
+    if size > MAX_SCHEMA_BYTES:
+        raise APIError(
+            400,
+            f"tools and response_format schema hold {size} bytes of JSON; at most {MAX_SCHEMA_BYTES} are accepted",
+            param="tools" if req.tools else "response_format",
+        )
+
+
+def compile_structured(
+    backend: GrammarBackend, structured: StructuredOutput, req: ChatCompletionRequest
+) -> StructuredOutput:
+    """``structured`` compiled ahead for the engine (400 naming the field when it does not compile)."""
+    try:
+        return backend.precompile(structured)
+    except ValueError as e:
+        raise APIError(400, f"{_param(req)}: {e}", param=_param(req)) from None
 
 
 def structured_output(
     req: ChatCompletionRequest, tool_style: str, start_after: list[int] | None
 ) -> StructuredOutput | None:
-    """The request's constraint, or None (400 when its tools cannot become a grammar)."""
+    """The request's constraint, or None (400 when its tools cannot become a grammar, or are too big)."""
+    check_schema_size(req)
     structured: StructuredOutput | None = None
     choice = req.effective_tool_choice()
     if req.forced_tool():

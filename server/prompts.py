@@ -320,12 +320,20 @@ class PromptBuilder:
     """Turns requests into prompt token ids for one tokenizer (thread-safe; runs in a thread pool)."""
 
     def __init__(
-        self, tokenizer: Any, max_model_len: int, allow_special_tokens: bool = False, chat_template: str | None = None
+        self,
+        tokenizer: Any,
+        max_model_len: int,
+        allow_special_tokens: bool = False,
+        chat_template: str | None = None,
+        trust_request_chat_template: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.allow_special_tokens = allow_special_tokens
         self.chat_template = chat_template  # --chat-template: used instead of the tokenizer's (a request's wins)
+        # a request's own template is client Jinja (unbounded run time, and its literal text holds special tokens
+        # that no content check sees): refused unless the operator trusts the clients
+        self.trust_request_chat_template = trust_request_chat_template
         self.bound = token_bound(tokenizer)
         self.special_ids = special_token_ids(tokenizer)
         self.vocab_size = len(tokenizer)
@@ -374,6 +382,10 @@ class PromptBuilder:
             raise _no_chat_template() from None
         except (jinja2.TemplateError, TypeError, ValueError, KeyError) as e:  # e.g. roles that do not alternate
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        except Exception as e:  # noqa: BLE001 - any template failure ({{ 1/0 }}, ...) is the request's, never a 500
+            raise APIError(
+                400, f"the chat template failed: {type(e).__name__}: {e}", param="messages"
+            ) from None
 
     def _template_kwargs(self, req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
         """What the template receives beside the messages: the client's kwargs (checked), then the request's
@@ -388,6 +400,13 @@ class PromptBuilder:
             kwargs["continue_final_message"] = True
         if req.tools:
             kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+        if req.chat_template is not None and not self.trust_request_chat_template:
+            raise APIError(
+                400,
+                "a request's chat_template is refused: the server runs it only when started with "
+                "--trust-request-chat-template",
+                param="chat_template",
+            )
         template = req.chat_template if req.chat_template is not None else self.chat_template
         if template is not None:
             kwargs["chat_template"] = template
@@ -407,11 +426,24 @@ class PromptBuilder:
         requested = req.requested_max_tokens() if isinstance(req, ChatCompletionRequest) else None
         self.check_fits(text, requested, "messages")
         ids = self._ids(text)
+        if not self.allow_special_tokens and self.special_ids:
+            ids = self._keep_content_as_text(messages, kwargs, text, ids)
         if isinstance(req, TokenizeRequest) and req.add_special_tokens:
-            ids = list(self.tokenizer.build_inputs_with_special_tokens(ids))
-        if self.allow_special_tokens or not self.special_ids:
-            return ids
-        return self._keep_content_as_text(messages, kwargs, text, ids)
+            # as vLLM: the rendered text tokenized with add_special_tokens=True, i.e. the tokens the tokenizer's
+            # post-processor adds around it (BOS, ...), with client text still plain text
+            prefix, suffix = self._added_special_tokens()
+            ids = [*prefix, *ids, *suffix]
+        return ids
+
+    def _added_special_tokens(self) -> tuple[list[int], list[int]]:
+        """The ids ``add_special_tokens=True`` puts before and after a text (read off one probe text)."""
+        probe = "a"
+        bare = list(self.tokenizer(probe, add_special_tokens=False)["input_ids"])
+        full = list(self.tokenizer(probe, add_special_tokens=True)["input_ids"])
+        for start in range(len(full) - len(bare) + 1):
+            if full[start : start + len(bare)] == bare:
+                return full[:start], full[start + len(bare) :]
+        return [], []  # a post-processor that changes the text's own tokens: nothing is added
 
     def _keep_content_as_text(
         self, messages: list[dict[str, Any]], kwargs: dict[str, Any], text: str, ids: list[int]

@@ -22,6 +22,7 @@ summed over choices: ``num_drafts`` (verify steps with a draft), ``num_draft_tok
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -42,6 +43,9 @@ MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 64
 MAX_MESSAGES = 4096  # each message renders to at least one token: more cannot fit any context we serve
 MAX_CONTENT_PARTS = 4096  # text parts over all messages (an empty part renders to nothing, so a fixed cap)
+
+
+_ASCII_TOKEN_ID = re.compile(r"\s*[0-9]+\s*", re.ASCII)  # a logit_bias key: ASCII digits, as int() reads them
 
 
 class APIError(Exception):
@@ -321,7 +325,7 @@ class _SamplingFields(_Strict):
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not key.strip().isdigit():
+            if not _ASCII_TOKEN_ID.fullmatch(key):  # not str.isdigit: "²" is a digit there, and int() refuses it
                 raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")

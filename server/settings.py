@@ -82,6 +82,11 @@ class Settings(EngineConfig):
     chat_template: str | None = _setting(
         None, "chat template (a file, or the template text) instead of the model's (default: the model's)"
     )
+    trust_request_chat_template: bool = _setting(
+        False,
+        "run a request's own chat_template field (client Jinja: unbounded run time, and its text may hold "
+        "special tokens); off: such a request is a 400, as in vLLM",
+    )
     reasoning_parser: str | None = _setting(
         None, "move thinking text to reasoning_content: qwen3 or deepseek_r1 (default: none, thinking stays content)"
     )

@@ -80,60 +80,12 @@ class ToolDelta:
 # --- a scanner of one JSON object as it grows ---------------------------------------------------------------
 
 
-class _Incomplete(Exception):
-    """The text ends before the value does."""
-
-
 class InvalidCall(ValueError):
     """The text is not a JSON object."""
 
 
-def _skip_ws(text: str, i: int) -> int:
-    while i < len(text) and text[i] in " \t\r\n":
-        i += 1
-    return i
-
-
-def _string_end(text: str, i: int) -> int:
-    """Index after the JSON string starting at ``text[i] == '"'``."""
-    j = i + 1
-    while j < len(text):
-        c = text[j]
-        if c == "\\":
-            j += 2
-            continue
-        if c == '"':
-            return j + 1
-        j += 1
-    raise _Incomplete
-
-
-def _value_end(text: str, i: int) -> int:
-    """Index after the JSON value starting at ``text[i]``."""
-    c = text[i]
-    if c == '"':
-        return _string_end(text, i)
-    if c in "{[":
-        depth, j = 0, i
-        while j < len(text):
-            ch = text[j]
-            if ch == '"':
-                j = _string_end(text, j)
-                continue
-            if ch in "{[":
-                depth += 1
-            elif ch in "}]":
-                depth -= 1
-                if depth == 0:
-                    return j + 1
-            j += 1
-        raise _Incomplete
-    j = i
-    while j < len(text) and text[j] not in ",}] \t\r\n":
-        j += 1
-    if j == len(text):
-        raise _Incomplete
-    return j
+_WS = " \t\r\n"
+_SCALAR_END = ",}] \t\r\n"
 
 
 @dataclass
@@ -144,45 +96,108 @@ class _Scan:
     end: int | None  # index after the closing brace, None while incomplete
 
 
+class ObjectScanner:
+    """A resumable scanner of one (possibly incomplete) JSON object at the start of a growing text.
+
+    Each `scan` continues where the last one stopped (position, nesting depth, inside a string, after a
+    backslash), so a call's text streamed in n pieces costs O(total length), not O(n * length). The text given
+    to `scan` must extend the text given before. Lenient as the parser needs: values are delimited, not validated.
+    """
+
+    def __init__(self) -> None:
+        self.fields: dict[str, tuple[int, int | None]] = {}
+        self.end: int | None = None
+        self._pos = 0
+        self._state = "start"  # start, key_or_end, key, colon, value, string, nested, scalar, done
+        self._token_start = 0  # the current key's or value's first character
+        self._key = ""
+        self._depth = 0
+        self._in_string = False
+        self._escape = False
+
+    def scan(self, text: str) -> _Scan:
+        """The object's keys and end so far (InvalidCall when the text is not a JSON object)."""
+        if self._state == "invalid":
+            raise InvalidCall("not a JSON object")
+        i, n = self._pos, len(text)
+        state = self._state
+        while i < n and state != "done":
+            c = text[i]
+            if state in ("string", "key", "nested") and (self._escape or self._in_string or state != "nested"):
+                # inside a string: of a key, of a string value, or of a string within a nested value
+                if self._escape:
+                    self._escape = False
+                elif c == "\\":
+                    self._escape = True
+                elif c == '"':
+                    if state == "key":
+                        key = _json_or_none(text[self._token_start : i + 1])
+                        if not isinstance(key, str):
+                            raise self._invalid("a key must be a string")
+                        self._key, state = key, "colon"
+                    elif state == "string":
+                        self.fields[self._key] = (self._token_start, i + 1)
+                        state = "key_or_end"
+                    else:
+                        self._in_string = False
+                i += 1
+            elif state == "nested":
+                if c == '"':
+                    self._in_string = True
+                elif c in "{[":
+                    self._depth += 1
+                elif c in "}]":
+                    self._depth -= 1
+                    if self._depth == 0:
+                        self.fields[self._key] = (self._token_start, i + 1)
+                        state = "key_or_end"
+                i += 1
+            elif state == "scalar":
+                if c in _SCALAR_END:
+                    self.fields[self._key] = (self._token_start, i)
+                    state = "key_or_end"  # the terminator is read again there
+                else:
+                    i += 1
+            elif c in _WS:
+                i += 1
+            elif state == "start":
+                if c != "{":
+                    raise self._invalid("not a JSON object")
+                state, i = "key_or_end", i + 1
+            elif state == "key_or_end":
+                if c == "}":
+                    self.end, state = i + 1, "done"
+                elif c == '"':
+                    self._token_start, state = i, "key"
+                elif c != ",":
+                    raise self._invalid("a key must be a string")
+                i += 1
+            elif state == "colon":
+                if c != ":":
+                    raise self._invalid("':' expected after a key")
+                state, i = "value", i + 1
+            else:  # value: its first character
+                self._token_start = i
+                self.fields[self._key] = (i, None)
+                if c == '"':
+                    state = "string"
+                elif c in "{[":
+                    state, self._depth, self._in_string = "nested", 1, False
+                else:
+                    state = "scalar"
+                    continue  # a one-character scalar may end here: read it again as a scalar
+                i += 1
+        self._pos, self._state = i, state
+        return _Scan(self.fields, self.end)
+
+    def _invalid(self, why: str) -> InvalidCall:
+        self._state = "invalid"
+        return InvalidCall(why)
+
+
 def scan_object(text: str) -> _Scan:
     """Scan the (possibly incomplete) JSON object at the start of ``text`` (InvalidCall when it is not one)."""
-    fields: dict[str, tuple[int, int | None]] = {}
-    i = _skip_ws(text, 0)
-    if i == len(text):
-        return _Scan(fields, None)
-    if text[i] != "{":
-        raise InvalidCall("not a JSON object")
-    i += 1
-    try:
-        while True:
-            i = _skip_ws(text, i)
-            if i == len(text):
-                raise _Incomplete
-            if text[i] == "}":
-                return _Scan(fields, i + 1)
-            if text[i] == ",":
-                i += 1
-                continue
-            if text[i] != '"':
-                raise InvalidCall("a key must be a string")
-            kend = _string_end(text, i)
-            key = _json_or_none(text[i:kend])
-            if not isinstance(key, str):
-                raise InvalidCall("a key must be a string")
-            i = _skip_ws(text, kend)
-            if i == len(text):
-                raise _Incomplete
-            if text[i] != ":":
-                raise InvalidCall("':' expected after a key")
-            i = _skip_ws(text, i + 1)
-            if i == len(text):
-                raise _Incomplete
-            fields[key] = (i, None)
-            vend = _value_end(text, i)
-            fields[key] = (i, vend)
-            i = vend
-    except _Incomplete:
-        return _Scan(fields, None)
+    return ObjectScanner().scan(text)
 
 
 class _CallState:
@@ -195,18 +210,25 @@ class _CallState:
         self.name: str | None = None
         self.sent_args = 0  # characters of streamed (raw object) arguments sent
         self.invalid = False
+        self._scanner = ObjectScanner()  # over the growing text that `update` is given
 
     def _args_extent(self, scan: _Scan) -> tuple[int, int | None] | None:
         return next((scan.fields[k] for k in self.arg_keys if k in scan.fields), None)
 
-    def update(self, text: str) -> list[ToolCallDelta]:
-        """Deltas for the call's text so far (its name once complete, then argument fragments)."""
+    def scan(self, text: str) -> _Scan | None:
+        """The call's object so far (``text`` extends the text of the last call); None once it is not an object."""
         if self.invalid:
-            return []
+            return None
         try:
-            scan = scan_object(text)
+            return self._scanner.scan(text)
         except InvalidCall:
             self.invalid = True
+            return None
+
+    def update(self, text: str) -> list[ToolCallDelta]:
+        """Deltas for the call's text so far (its name once complete, then argument fragments)."""
+        scan = self.scan(text)
+        if scan is None:
             return []
         out: list[ToolCallDelta] = []
         if self.name is None:
@@ -222,14 +244,15 @@ class _CallState:
         extent = self._args_extent(scan)
         if extent is not None and text[extent[0]] == "{":  # objects stream as written; other values at the end
             start, end = extent
-            raw = text[start : len(text) if end is None else end]
-            if len(raw) > self.sent_args:
-                out.append(ToolCallDelta(self.index, arguments=raw[self.sent_args :]))
-                self.sent_args = len(raw)
+            stop = len(text) if end is None else end
+            if stop - start > self.sent_args:  # sliced from the text: no copy of what was sent
+                out.append(ToolCallDelta(self.index, arguments=text[start + self.sent_args : stop]))
+                self.sent_args = stop - start
         return out
 
     def complete(self, text: str) -> tuple[ToolCall | None, list[ToolCallDelta]]:
         """The call of a complete text (None when it does not parse) and the last deltas of a stream."""
+        self._scanner = ObjectScanner()  # `text` is stripped, so not the streamed text: one scan of it afresh
         out = self.update(text)
         try:
             obj = json.loads(text)
@@ -332,6 +355,7 @@ class HermesParser(ToolParser):
         self._buf = ""
         self._call: _CallState | None = None
         self._seen_call = False
+        self._searched = 0  # where in the open call's text the end marker can first be
 
     def feed(self, text: str) -> ToolDelta:
         self._buf += text
@@ -352,12 +376,14 @@ class HermesParser(ToolParser):
                 index = len(self.calls)
                 self._call = _CallState(index, ("arguments", "parameters"))
                 continue
-            j = self._buf.find(TOOL_CALL_END)
+            j = self._buf.find(TOOL_CALL_END, self._searched)
             keep = self._keep()
             if j < 0:
+                self._searched = max(0, len(self._buf) - len(TOOL_CALL_END) + 1)  # the next search starts there
                 deltas = self._call.update(self._buf)
                 out.calls.extend(deltas if keep else [])
                 return out
+            self._searched = 0
             call, deltas = self._call.complete(self._buf[:j].strip())
             out.calls.extend(deltas if keep else [])
             if keep:
@@ -418,10 +444,8 @@ class Llama3JsonParser(ToolParser):
                 self._buf = rest
                 self._call = _CallState(len(self.calls), ("parameters", "arguments"))
             keep = self._keep()
-            try:
-                end = scan_object(self._buf).end
-            except InvalidCall:
-                end = None
+            scan = self._call.scan(self._buf)  # resumes where the last piece stopped
+            end = None if scan is None else scan.end
             if end is None:
                 out.calls.extend(self._call.update(self._buf) if keep else [])
                 return out

@@ -25,6 +25,7 @@ from dflash_core.stats import SpecSummary
 
 if TYPE_CHECKING:
     from dflash_core.engine import StepOutput, TokenLogprob
+    from dflash_core.grammar import GrammarBackend
     from dflash_core.sampling import SamplingParams
     from dflash_core.stats import RequestStats
     from server.metrics import ServerMetrics
@@ -66,6 +67,11 @@ class ServingEngine(Protocol):
 
     def estimated_speedup(self) -> float | None:
         """Estimated speedup over plain decoding at the current load (None: not measured yet)."""
+
+    @property
+    def grammar(self) -> GrammarBackend | None:
+        """The backend that compiles structured outputs (None: they are refused); the app compiles with it in its
+        preparation threads, so that ``add_request`` only copies the compiled grammar."""
 
 
 class QueueFullError(Exception):

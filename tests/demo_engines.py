@@ -20,8 +20,11 @@ QUESTIONS = [
 
 @lru_cache(maxsize=1)
 def demo() -> tuple[LoadedModels, Engine]:
-    """(the demo pair with its draft, a plain engine on the same target, slots and grammar backend)."""
-    models = load_models(EngineConfig())
+    """(the demo pair with its draft, a plain engine on the same target, slots and grammar backend).
+
+    The draft's engine speculates with the fixed width: the adaptive policy decides from wall time and takes plain
+    steps on a loaded machine, and the exactness tests must see speculation run (`accepted_drafts`)."""
+    models = load_models(EngineConfig(speculation="fixed"))
     eng = models.engine
     plain = Engine(eng.target, None, eos_token_ids=eng.eos_token_ids, slots=eng.slots, grammar=eng.grammar)
     return models, plain

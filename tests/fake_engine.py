@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_core.engine import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, StepOutput
+from dflash_core.grammar import GrammarBackend
 from dflash_core.sampling import SamplingParams
 from dflash_core.stats import RequestStats
 
@@ -91,8 +92,10 @@ class FakeEngine:
     default: Script = field(default_factory=lambda: Script(["ok"]))
     eos_token_ids: list[int] = field(default_factory=list)
     drafter: None = None  # the engine's attribute; a fake has no draft model
+    grammar: GrammarBackend | None = None  # the app compiles constraints with it; the fake only keeps them
     added: list[int] = field(default_factory=list)  # request ids, in admission order
     prompts: dict[int, str] = field(default_factory=dict)  # request id -> decoded prompt
+    params: dict[int, SamplingParams] = field(default_factory=dict)  # request id -> its parameters
     aborted: set[int] = field(default_factory=set)
     released: set[int] = field(default_factory=set)
     emitted: dict[int, int] = field(default_factory=dict)  # request id -> tokens committed so far
@@ -150,6 +153,7 @@ class FakeEngine:
             rid = len(self.added)
             self.added.append(rid)
             self.prompts[rid] = text
+            self.params[rid] = params
             self.emitted[rid] = 0
             stats = RequestStats(prompt_tokens=len(prompt), block_size=self.block_size)
             self._active[rid] = _Request(rid, prompt, params, script, stats)

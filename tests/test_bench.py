@@ -56,7 +56,9 @@ def server(pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) ->
     log = tmp_path_factory.mktemp("bench_logs") / "server.log"
     # OpenMP's busy-wait makes torch 10-20x slower on a CPU shared with other test processes
     env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-    srv = start_server(["--target", str(target), "--draft", str(draft), "--device", "cpu"], log, env)
+    # fixed widths: the random draft is never right, so the adaptive policy would soon stop drafting
+    srv = start_server(["--target", str(target), "--draft", str(draft), "--device", "cpu", "--speculation", "fixed"],
+                       log, env)
     try:
         yield srv
     finally:
@@ -193,7 +195,8 @@ def test_serve_tiny_pair(server: ServerProcess, tmp_path: Path, capsys: pytest.C
 
 def test_level_spread_and_table() -> None:
     def req(tokens: int) -> dict:
-        return {"ok": True, "tokens": tokens, "ttft": 0.01, "e2e": 0.1, "itl": [0.01], "tpot": 0.01, "spec": None}
+        return {"ok": True, "tokens": tokens, "ttft": 0.01, "e2e": 0.1, "itl": [0.01], "tpot": 0.01, "spec": None,
+                "text": f"t{tokens}"}
 
     rounds = [bench_serve._round_result([req(10), req(10)], 1.0), bench_serve._round_result([req(10), req(10)], 0.5)]
     lv = bench_serve._level_result(2, [req(10)] * 4, 1.5, rounds)
@@ -500,3 +503,16 @@ def test_tokenizer_without_chat_template_is_refused() -> None:
 
     with pytest.raises(bench.BenchError, match="no chat template"):
         encode_prompt(Plain(), [{"role": "user", "content": "hi"}])
+
+
+def test_stall_runs_against_a_server(server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`dflash-bench stall`: running streams, a long prompt, and the gap figures in the report and the JSON."""
+    server.wait_ready(SERVER_START_TIMEOUT_S)
+    rc = bench.main(["stall", "--base-url", server.url + "/v1", "--streams", "2", "--prompt-tokens", "300",
+                     "--max-tokens", "48", "--output-dir", str(tmp_path)])
+    assert rc == 0
+    assert "largest gap during the prefill" in capsys.readouterr().out
+    data = json.loads((tmp_path / "stall.json").read_text())
+    assert data["mode"] == "stall" and data["streams"] == 2 and data["gaps_during_prefill"] > 0
+    assert abs(data["long_prompt_tokens"] - 300) <= 30  # sized from the server's own token counts
+    assert data["median_gap_s"] > 0 and data["stall_ratio"] == data["max_gap_during_prefill_s"] / data["median_gap_s"]

@@ -73,7 +73,8 @@ def run_to_end(engine: Any, prompt: list[int], params: SamplingParams) -> tuple[
 def test_engine_acceptance_guard(backend: str) -> None:
     """Mean acceptance length on fixed prompts stays within 10% of the recorded value; outputs equal plain."""
     torch.set_num_threads(1)
-    spec = load_models(EngineConfig(device="cpu", dtype="float32", backend=backend))
+    # the fixed width policy: the guard measures the pair (full blocks), not the adaptive policy's timings
+    spec = load_models(EngineConfig(device="cpu", dtype="float32", backend=backend, speculation="fixed"))
     plain = load_models(EngineConfig(device="cpu", dtype="float32", backend=backend, speculative=False))
     drafts = accepted = 0
     for p in guard_prompts():
@@ -96,7 +97,7 @@ def test_engine_acceptance_guard(backend: str) -> None:
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, ServerProcess]]:
     """The demo pair served with DFlash, and the demo target served plain."""
     tmp = tmp_path_factory.mktemp("demo_quality")
-    spec = start_server([], tmp / "spec.log")
+    spec = start_server(["--speculation", "fixed"], tmp / "spec.log")  # full blocks: the guard measures the pair
     plain = start_server(["--no-speculative"], tmp / "plain.log")
     try:
         spec.wait_ready()

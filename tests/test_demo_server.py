@@ -43,7 +43,10 @@ def test_default_command_serves_the_demo_pair(demo_server):
         else:
             last = chunk
     assert "".join(parts) == text
-    assert last.usage.completion_tokens == r.usage.completion_tokens and last.model_extra["dflash"] == summary
+    # the same tokens; the speculation counters follow the adaptive width policy's timings, so only their shape
+    assert last.usage.completion_tokens == r.usage.completion_tokens
+    streamed_summary = last.model_extra["dflash"]
+    assert streamed_summary["num_drafts"] > 0 and set(streamed_summary) == set(summary)
 
 
 def test_readme_curl_example(demo_server):

@@ -283,6 +283,32 @@ def test_gbnf_lark_and_tool_definitions_compile() -> None:
         tool_call_structure(odd, "hermes", None, parallel=False)
 
 
+def test_root_relative_refs_of_tool_parameters_keep_their_meaning() -> None:
+    """"#" and "#/properties/..." in a tool's parameters point at the parameters, not at the call around them."""
+    backend = small_backend()
+    tree = {"type": "object", "required": ["v"], "additionalProperties": False,
+            "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}},
+                           "same": {"$ref": "#/properties/v"}}}
+    tools = [{"type": "function", "function": {"name": "tree", "parameters": tree}}]
+    for style, key in (("llama3_json", "parameters"), ("hermes", "arguments")):
+        wrap = ("", "") if style == "llama3_json" else ("<tool_call>\n", "\n</tool_call>")
+
+        def call(args: str) -> str:
+            return f'{wrap[0]}{{"name": "tree", "{key}": {args}}}{wrap[1]}'  # noqa: B023 - used at once
+
+        def matcher() -> Any:
+            return backend.matcher(tool_call_structure(tools, style, None, parallel=False), [2])  # noqa: B023
+
+        good = matcher()
+        assert accepts(good, call('{"v": 1, "kids": [{"v": 2, "kids": []}], "same": 3}')) and good.accept(2), style
+        assert not accepts(matcher(), call('{"v": 1, "kids": [{"name": "tree", "' + key + '": {"v": 2}}]}')), style
+        assert not accepts(matcher(), call('{"v": 1, "same": "x"}')), style
+    nested_id = {"type": "object", "properties": {"p": {"$id": "https://x/p", "type": "object"}}}
+    with pytest.raises(ValueError, match="nested \\$id"):
+        tool_call_structure([{"type": "function", "function": {"name": "n", "parameters": nested_id}}], "hermes",
+                            None, parallel=False)
+
+
 def test_the_tokenizer_is_read_on_the_first_structured_request() -> None:
     backend = LLGuidanceBackend(object(), 100)  # no tokenizer at all: only a structured request finds out
     with pytest.raises(ValueError, match="unavailable for this tokenizer"):

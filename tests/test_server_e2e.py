@@ -398,7 +398,13 @@ def test_logprobs_chat_and_completions(servers: Servers) -> None:
     ):
         for ch in chunk.choices:
             streamed.extend(ch.logprobs.content if ch.logprobs else [])
-    assert [t.model_dump() for t in streamed] == [t.model_dump() for t in content]
+    # the same tokens and alternatives; the values agree to float rounding (the adaptive width policy may verify
+    # the two runs' tokens in rows of different widths, which changes the matmul shapes)
+    assert [(t.token, [a.token for a in t.top_logprobs]) for t in streamed] == [
+        (t.token, [a.token for a in t.top_logprobs]) for t in content]
+    for a, b in zip(streamed, content):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [x.logprob for x in a.top_logprobs] == pytest.approx([x.logprob for x in b.top_logprobs], abs=1e-4)
     r = c.chat.completions.create(model=SERVED_NAME, messages=CHAT, temperature=0)
     assert r.choices[0].logprobs is None
 

@@ -312,3 +312,16 @@ def test_ragged_rows_get_their_own_widths_within_the_budget() -> None:
     padded = WidthPolicy(16, "adaptive", padded=True)
     padded.costs = policy.costs
     assert len(set(padded.widths([sure, doubtful]))) == 1  # padded rows share one width
+
+
+def test_warm_up_measures_costs_and_leaves_nothing_behind(demo) -> None:
+    """`Engine.warm_up` (run by the server before serving): the policy has measured costs, the dummy requests
+    are gone, their slots free, and the policy's per-request history starts fresh."""
+    llm, prompts, ref = demo
+    engine = llm.engine
+    engine.warm_up()
+    assert engine.policy.costs.target.ready and engine.policy.costs.draft.ready
+    assert engine.num_running() == 0 and engine.slots.num_free() == engine.slots.capacity
+    assert engine.policy.mean_committed == (engine.block_size + 1) / 2 and engine.policy.calibration == 1.0
+    outs, _ = run_steps(engine, prompts)
+    assert outs == ref

@@ -4,6 +4,7 @@ across deltas) whose deltas join into the whole output's calls, in OpenAI's delt
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -126,3 +127,20 @@ def test_parser_names() -> None:
     assert tool_parser_class("llama3_json") is Llama3JsonParser
     with pytest.raises(ValueError, match="hermes, llama3_json"):
         tool_parser_class("mistral")
+
+
+@pytest.mark.parametrize("parser_class", [HermesParser, Llama3JsonParser])
+def test_a_long_call_streams_in_linear_time(parser_class: type[ToolParser]) -> None:
+    """A 48k-character argument in 16-character steps: each step scans only what it adds (a scan of the whole call
+    text per step, ~3000 scans of up to 48k characters, takes far longer than the bound)."""
+    value = "x\\\"{[" * 8000  # escapes, quotes and brackets inside the string: the scanner's slow paths
+    key = "arguments" if parser_class is HermesParser else "parameters"
+    body = f'{{"name": "f", "{key}": {{"text": "{value}", "n": [1, {{"a": 2}}]}}}}'
+    text = f"<tool_call>\n{body}\n</tool_call>" if parser_class is HermesParser else body
+    start = time.perf_counter()
+    content, calls, deltas = stream(parser_class(), text, 16)
+    elapsed = time.perf_counter() - start
+    assert content == "" and [c["name"] for c in calls] == ["f"]
+    assert json.loads(calls[0]["arguments"]) == {"text": 'x"{[' * 8000, "n": [1, {"a": 2}]}
+    assert len(deltas) > 1000  # the arguments did stream
+    assert elapsed < 2.0, f"{elapsed:.2f} s"

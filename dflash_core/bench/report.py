@@ -134,6 +134,7 @@ def format_serve(result: dict[str, Any]) -> str:
                 _f(c["ttft_p50_ratio"]),
                 _f(c["itl_p50_ratio"]),
                 _f(c["tpot_p50_ratio"]),
+                f"{c['identical_outputs']}/{c['compared_outputs']}" if "identical_outputs" in c else "-",
             ]
             for c in cmp["levels"]
         ]
@@ -150,6 +151,7 @@ def format_serve(result: dict[str, Any]) -> str:
                     "TTFT p50 ratio",
                     "ITL p50 ratio",
                     "TPOT p50 ratio",
+                    "identical",
                 ],
                 crow,
             )

@@ -226,6 +226,7 @@ _LEVEL = {
         "rounds",
     ],
     "properties": {
+        "outputs": {"type": "object", "description": "request index -> its text (the same in every round)"},
         "concurrency": {"type": "integer", "minimum": 1},
         "repeats": {"type": "integer", "minimum": 1, "description": "rounds run at this level"},
         "num_requests": _INT,
@@ -327,6 +328,11 @@ SERVE_SCHEMA: dict[str, Any] = {
                             "ttft_p50_ratio": _NUM_OR_NULL,
                             "itl_p50_ratio": _NUM_OR_NULL,
                             "tpot_p50_ratio": _NUM_OR_NULL,
+                            "identical_outputs": {
+                                **_INT, "description": "side-by-side sweeps: requests whose text equals the "
+                                "baseline's (greedy: all of them)",
+                            },
+                            "compared_outputs": _INT,
                         },
                     },
                 },

@@ -38,6 +38,7 @@ async def _stream_request(
     """One streamed chat completion, timed chunk by chunk."""
     start = time.perf_counter()
     chunks: list[float] = []  # arrival times of chunks with content
+    pieces: list[str] = []
     usage_tokens: int | None = None
     spec: dict[str, Any] | None = None
     try:
@@ -57,6 +58,7 @@ async def _stream_request(
                 text = choice.delta.content if choice.delta is not None else None
                 if text:
                     chunks.append(now)
+                    pieces.append(text)
             if chunk.usage is not None:
                 usage_tokens = int(chunk.usage.completion_tokens)
             extra = chunk.model_extra or {}
@@ -77,6 +79,7 @@ async def _stream_request(
         "itl": itl,
         "tpot": (e2e - ttft) / (tokens - 1) if tokens > 1 else None,
         "spec": spec,
+        "text": "".join(pieces),
     }
 
 
@@ -99,6 +102,7 @@ def _level_result(
 ) -> dict[str, Any]:
     """A level's figures over all its requests; `duration` is the total wall time of its rounds."""
     rounds = rounds or [_round_result(results, duration)]
+    per_round = max(len(results) // len(rounds), 1)
     ok = [r for r in results if r["ok"]]
     tokens = sum(r["tokens"] for r in ok)
     specs = [r["spec"] for r in ok if r["spec"] is not None]
@@ -132,6 +136,9 @@ def _level_result(
             "request_throughput": spread([r["request_throughput"] for r in rounds]),
         },
         "rounds": rounds,
+        # each request's text, by its index in the round (request i: prompt i, seed + i; every round sends the
+        # same requests, in order): a side-by-side sweep compares them with the baseline's
+        "outputs": {str(i % per_round): r["text"] for i, r in enumerate(results) if r["ok"]},
     }
 
 
@@ -273,6 +280,10 @@ def run_serve_pair(
 
     server, baseline = merged(runs["server"]), merged(runs["baseline"])
     server["comparison"] = compare_levels(server, baseline, "")
+    for row, mine, theirs in zip(server["comparison"]["levels"], server["levels"], baseline["levels"]):
+        same = [k for k in mine["outputs"] if k in theirs["outputs"]]
+        row["identical_outputs"] = sum(mine["outputs"][k] == theirs["outputs"][k] for k in same)
+        row["compared_outputs"] = len(same)
     return server, baseline
 
 

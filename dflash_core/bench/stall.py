@@ -1,6 +1,7 @@
 """`dflash-bench stall`: how much a long prompt's prefill stalls the streams already running.
 
-Some streams run; then one request with a long prompt arrives. Its prefill runs in chunks between the decode
+Some streams run (ordinary chat answers, a new one started as one ends); then one request with a long prompt
+arrives. Its prefill runs in chunks between the decode
 steps of the running streams (`--prefill-chunk` on the server), so their inter-chunk gaps while it is prefilled
 should stay close to their usual gap. The result reports the running streams' median gap, their largest gap
 during the long prompt's prefill (from its send to its first token) and the ratio of the two.
@@ -60,16 +61,24 @@ async def _run(base_url: str, api_key: str, model: str | None, prompts: list[Pro
         per_sentence = max((ten - base) / 10, 1e-9)
         repeats = max(1, 1 + round((long_tokens - base) / per_sentence))
         long_messages = [{"role": "user", "content": LONG_PROMPT_SENTENCE * repeats}]
-        times: list[list[float]] = [[] for _ in range(streams)]
-        running = [
-            asyncio.create_task(_stream(client, model, prompts[i % len(prompts)].messages, max_tokens, times[i]))
-            for i in range(streams)
-        ]
+        times: list[list[float]] = []  # one list per stream (a slot starts a new stream when one ends)
+        done = asyncio.Event()
+
+        async def keep_running(slot: int) -> None:
+            """Streams of ordinary chat answers, one after another, until the long prompt has its first token."""
+            k = slot
+            while not done.is_set():
+                times.append([])
+                await _stream(client, model, prompts[k % len(prompts)].messages, max_tokens, times[-1])
+                k += streams
+
+        running = [asyncio.create_task(keep_running(i)) for i in range(streams)]
         await asyncio.sleep(delay)  # the streams are decoding
         long_times: list[float] = []
         sent = time.perf_counter()
         long_result = await _stream(client, model, long_messages, 4, long_times)
         first = long_times[0] if long_times else time.perf_counter()
+        done.set()
         await asyncio.gather(*running)
     finally:
         await client.close()
@@ -80,8 +89,8 @@ async def _run(base_url: str, api_key: str, model: str | None, prompts: list[Pro
             gaps_all.append(b - a)
             if b > sent and a < first:  # a gap that overlaps the long prompt's prefill
                 gaps_during.append(b - a)
-    if not gaps_all:
-        raise BenchError("the running streams produced too few chunks: raise --max-tokens")
+    if not gaps_all or not gaps_during:
+        raise BenchError("the running streams ended before the long prompt's first token: raise --max-tokens")
     median = statistics.median(gaps_all)
     worst = max(gaps_during, default=0.0)
     return {
@@ -98,7 +107,7 @@ async def _run(base_url: str, api_key: str, model: str | None, prompts: list[Pro
 
 def run_stall(base_url: str, prompts: list[Prompt], *, api_key: str = "EMPTY", model: str | None = None,
                      streams: int = 4, long_tokens: int = 1500, max_tokens: int = 256,
-                     delay: float = 1.0) -> dict[str, Any]:
+                     delay: float = 0.3) -> dict[str, Any]:
     """Run the measurement against a server; the result (see the module docstring)."""
     import openai
 
