@@ -254,7 +254,8 @@ class EngineConfig:
         2048, "token budget of one engine step: prefill chunks plus verify tokens; as vLLM's")
     prefill_chunk: int | None = _setting(
         256, "most prompt tokens prefilled per step, over all new requests (fewer while streams decode: what a "
-        "decode step's time allows), so a long prompt delays running streams a step at a time (0: whole prompts)")
+        "measured half decode step allows), so a long prompt delays running streams a fraction of a step at a "
+        "time (0: whole prompts)")
     threads: int | None = _setting(
         None, "torch CPU threads (default: 1 on a CPU device, where small forwards are fastest on one thread; "
         "torch's default on CUDA)")
