@@ -191,10 +191,6 @@ class Engine:
         """Requests added and not finished (waiting, prefilling or decoding)."""
         return len(self._active)
 
-    def num_decoding(self) -> int:
-        """Requests past their prefill."""
-        return self.scheduler.num_running()
-
     def num_waiting(self) -> int:
         """Requests not yet decoding: waiting for a slot or being prefilled."""
         return self.scheduler.num_waiting()

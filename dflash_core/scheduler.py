@@ -10,7 +10,6 @@ no slot is free.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -91,11 +90,6 @@ class Scheduler:
 
     def num_running(self) -> int:
         return len(self.running)
-
-    def all(self) -> Iterable[Schedulable]:
-        yield from self.running
-        yield from self.prefilling
-        yield from self.waiting
 
     def schedule(self, prefill_room: int | None = None) -> StepPlan:
         """Plan one step: aborted requests, prefill chunks (continuing ones first, then new ones in arrival

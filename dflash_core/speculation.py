@@ -226,8 +226,7 @@ class WidthPolicy:
             w = self.verify_width(confidences, budget)
             return [min(w - 1, len(c)) for c in confidences]
         n = len(confidences)
-        gains = [[0.0] + [min(float(k), self.calibration * g) for k, g in enumerate(expected_accepted(c), start=1)]
-                 for c in confidences]
+        gains = self._gains(confidences)
         steps = [sorted({w - 1 for w in self.allowed if w - 1 <= len(c)} | {len(c)}) for c in confidences]
         keep = [0] * n
         tokens, verified = float(n), n
@@ -265,12 +264,7 @@ class WidthPolicy:
             candidates = fits[-1:] or [1]
         if len(candidates) == 1:
             return candidates[0]
-        gains = []
-        for conf in confidences:  # expected accepted tokens of a row at each width: running products summed
-            row = [0.0]
-            for k, acc in enumerate(expected_accepted(conf), start=1):
-                row.append(min(float(k), self.calibration * acc))
-            gains.append(row)
+        gains = self._gains(confidences)
         draft_spent = self.costs.draft(0) if longest else 0.0
         best_w, best_rate = 1, -1.0
         for w in candidates:
@@ -279,6 +273,12 @@ class WidthPolicy:
             if rate > best_rate:
                 best_w, best_rate = w, rate
         return best_w
+
+    def _gains(self, confidences: Sequence[Sequence[float]]) -> list[list[float]]:
+        """Per row, the expected accepted tokens when it verifies k = 0, 1, ... draft tokens: the running products
+        of the draft's probabilities summed, calibrated, at most k."""
+        return [[0.0] + [min(float(k), self.calibration * g) for k, g in enumerate(expected_accepted(c), start=1)]
+                for c in confidences]
 
     # ---- after the step ----
     def calibrate(self, verified_confidence: Sequence[float], accepted: int) -> None:
