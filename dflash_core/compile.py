@@ -8,12 +8,19 @@ replay instead of hundreds of kernel launches. Prefill (long, ragged prompts) st
 
 The batch, width and key-length dimensions are marked dynamic (`maybe_mark_dynamic`), so inductor compiles a
 handful of graphs (a dimension of size 1, or one whose size minus one is 1, is specialised) instead of one per
-bucket; CUDA graphs are still recorded per concrete shape. `StepFunction` clones a compiled step's outputs on CUDA,
-since the next replay overwrites the graph's output memory.
+bucket, and a context growing past a key bucket recompiles nothing. CUDA graphs are still recorded per concrete
+shape, and `mode="reduce-overhead"` records a shape on its second call (the first warms it up): so warm-up calls
+every (batch, width, key bucket) shape `WARM_UP_CALLS_CUDA` times on CUDA, and elsewhere each (batch, width) once at
+the smallest key bucket (what compiles; the other key buckets reuse those graphs). `StepFunction` clones a compiled
+step's outputs on CUDA, since the next replay overwrites the graph's output memory.
+
+Caches are written in place: a step writes its keys/values into per-layer cache tensors (graph inputs) with
+`index_put_`, never into a view of a bigger tensor, which inductor would copy whole around every step.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -24,12 +31,13 @@ import torch
 
 from dflash_core.config import parse_sizes
 
-__all__ = ["DEFAULT_WIDTHS", "StaticShapes", "StepFunction", "compile_enabled", "default_batch_sizes", "kv_bucket",
-           "parse_sizes", "timed_warm_up"]
+__all__ = ["DEFAULT_WIDTHS", "StaticShapes", "StepFunction", "compile_enabled", "default_batch_sizes", "key_buckets",
+           "kv_bucket", "parse_sizes", "timed_warm_up", "use_compile_cache"]
 
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16)  # the engine's verify widths (1 = a plain step)
 MIN_KV_BUCKET = 256
-RECOMPILE_LIMIT = 64  # per step function: a few graphs per (batch, width) class, one per kv bucket when static
+RECOMPILE_LIMIT = 64  # per step function: a few graphs per (batch, width) class
+WARM_UP_CALLS_CUDA = 3  # reduce-overhead: the first call warms a shape up, the second records it, the third replays
 
 
 def default_batch_sizes(max_slots: int) -> tuple[int, ...]:
@@ -47,12 +55,28 @@ def compile_enabled(setting: bool | None, device: torch.device) -> bool:
     return device.type == "cuda" if setting is None else bool(setting)
 
 
+def use_compile_cache(directory: str | None) -> None:
+    """Keep inductor's on-disk caches (compiled graphs, autograd graphs) in `directory` (None: torch's default)."""
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(directory)
+
+
 def kv_bucket(kv_len: int, cap: int) -> int:
     """Keys a step attends over: the next power of two >= kv_len (at least MIN_KV_BUCKET), at most `cap`."""
     n = MIN_KV_BUCKET
     while n < kv_len:
         n *= 2
     return min(n, cap)
+
+
+def key_buckets(cap: int) -> tuple[int, ...]:
+    """Every key bucket `kv_bucket` gives under `cap`: 256, 512, ... and `cap` itself."""
+    sizes, n = [], MIN_KV_BUCKET
+    while n < cap:
+        sizes.append(n)
+        n *= 2
+    return (*sizes, cap)
 
 
 def _bucket(sizes: Sequence[int], n: int) -> int | None:
@@ -78,6 +102,13 @@ class StaticShapes:
 
     def width_bucket(self, n: int) -> int | None:
         return _bucket(self.widths, n)
+
+    def warm_up_keys(self, device: torch.device, cap: int) -> tuple[tuple[int, ...], int]:
+        """The key buckets a warm-up runs each (batch, width) bucket at, and how many calls each: on CUDA every
+        bucket, `WARM_UP_CALLS_CUDA` times (a CUDA graph per concrete shape); elsewhere the smallest, once."""
+        if self.compiled and device.type == "cuda":
+            return key_buckets(cap), WARM_UP_CALLS_CUDA
+        return key_buckets(cap)[:1], 1
 
     def wrap(
         self, fn: Callable[..., Any], device: torch.device, dynamic: dict[int, tuple[int, ...]] | None = None
@@ -122,11 +153,14 @@ class StepFunction:
         return tuple(None if t is None else t.clone() for t in out)
 
 
-def timed_warm_up(name: str, runs: Sequence[Callable[[], Any]], log: Any) -> float:
-    """Run every bucket's warm-up call once (compiling it, recording its CUDA graph); log and return the seconds."""
+def timed_warm_up(name: str, runs: Sequence[Callable[[], Any]], log: Any, calls: int = 1) -> float:
+    """Run every shape's warm-up call `calls` times in a row (compiling it; on CUDA warming up, recording and
+    replaying its graph); log and return the seconds."""
     t0 = time.perf_counter()
     for run in runs:
-        run()
+        for _ in range(calls):
+            run()
     elapsed = time.perf_counter() - t0
-    log.info("%s: %d static shapes compiled in %.1f s", name, len(runs), elapsed)
+    log.info("%s: %d static shapes warmed up (%d call%s each) in %.1f s", name, len(runs), calls,
+             "" if calls == 1 else "s", elapsed)
     return elapsed

@@ -241,6 +241,9 @@ class EngineConfig:
         None, "batch buckets of the compiled step, comma-separated (default: powers of two up to "
         "max_running_requests, and max_running_requests)")
     compile_widths: str = _setting("1,2,4,8,16", "tokens-per-row buckets of the compiled step, comma-separated")
+    compile_cache: str | None = _setting(
+        None, "directory of the on-disk compile cache (inductor's; TORCHINDUCTOR_CACHE_DIR): keep it across restarts "
+        "and a restart with --compile reuses the compiled graphs (default: torch's, under the temp directory)")
     kv_cache_memory: str | None = _setting(
         None, "bytes for the KV caches and recurrent states (4GiB, 4GB or an integer): a max_model_len that cannot "
         "fit is refused; an unset one is the longest that fits (default: not limited)")

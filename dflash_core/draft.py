@@ -15,10 +15,11 @@ from torch import nn
 
 from dflash_core.config import DraftConfig
 from dflash_core.draft_formats import read_draft_config, read_draft_weights
-from dflash_core.layers import RMSNorm, apply_rope, rope_inv_freq
+from dflash_core.layers import RMSNorm, RopeFrequencies, apply_rope, rope_inv_freq
 
 # the position a never-written ring column holds: past every context length, so no query sees it
 _NEVER = 2**62
+_FLOAT32_BUFFERS = ("_inv_freq", "_long_inv_freq")
 
 
 class DraftAttention(nn.Module):
@@ -167,7 +168,8 @@ class DraftKVCache:
 
 
 class SlotDraftCache:
-    """Context keys/values of many requests: `[layers, slots, kv_heads, C + 1, head_dim]`, written by position.
+    """Context keys/values of many requests: per layer one tensor `[slots, kv_heads, C + 1, head_dim]` (a list, so
+    that a compiled step writes each in place), written by position.
 
     C is `max_len` (column j holds position j) or, with a `window` N smaller than that, N: a ring where position
     j lives in column j % N and `pos` records the position each column holds, so that a query sees exactly the
@@ -182,13 +184,18 @@ class SlotDraftCache:
     ) -> None:
         self.window = window if window is not None and window < max_len else None
         columns = self.window or max_len
-        shape = (cfg.num_hidden_layers, max_slots, cfg.num_key_value_heads, columns + 1, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        shape = (max_slots, cfg.num_key_value_heads, columns + 1, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
         self.scratch = columns
         self.max_slots = max_slots
         self.pad_position = -1 if self.window else columns
         self.pos = torch.full((max_slots, columns + 1), _NEVER, device=device) if self.window else None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the context keys and values (every layer)."""
+        return sum(t.nbytes for t in (*self.k, *self.v))
 
     def columns(self, positions: torch.Tensor) -> torch.Tensor:
         """The column each position (or `pad_position`) is written to."""
@@ -211,7 +218,7 @@ class SlotBatch:
         self.cache, self.ctx_pos = cache, ctx_pos
         self.kv_len = kv_len if cache.window is None else min(kv_len, cache.window)
         static = isinstance(slots, torch.Tensor)
-        self.slots = slots if static else torch.tensor(slots, device=cache.k.device)
+        self.slots = slots if static else torch.tensor(slots, device=cache.k[0].device)
         self.single = slots[0] if not static and len(slots) == 1 else None
         self.cols = None if ctx_pos is None else cache.columns(ctx_pos)
         if cache.pos is not None and ctx_pos is not None:
@@ -257,10 +264,28 @@ class DFlashDraft(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         d2t = None if cfg.draft_vocab_size is None else torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
         self.register_buffer("d2t", d2t)
-        # Kept out of the state dict and out of `.to(dtype)`: RoPE frequencies stay float32.
-        self._rope = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings,
-                                   cfg.hidden_size, cfg.num_attention_heads)
-        self._inv_freq, self._long_inv_freq = self._rope.inv_freq, self._rope.long_inv_freq
+        # RoPE frequencies: buffers, so that `.to(device)` moves them (a compiled step must find no CPU tensor);
+        # out of the state dict, and kept float32 by `.to(dtype)` (`_apply`).
+        rope = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings,
+                             cfg.hidden_size, cfg.num_attention_heads)
+        self._rope_scaling, self._rope_long_after = rope.attention_scaling, rope.original_max_position_embeddings
+        self._inv_freq: torch.Tensor
+        self._long_inv_freq: torch.Tensor | None
+        self.register_buffer("_inv_freq", rope.inv_freq, persistent=False)
+        self.register_buffer("_long_inv_freq", rope.long_inv_freq, persistent=False)
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module's signature
+        """As nn.Module's (`.to`, `.cuda`, `.half`, ...), but the RoPE frequencies only change device: float32."""
+        kept = {n: b for n in _FLOAT32_BUFFERS if (b := self._buffers.get(n)) is not None}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            self._buffers[name] = before.to(device=self._buffers[name].device, dtype=torch.float32)
+        return self
+
+    @property
+    def rope_frequencies(self) -> RopeFrequencies:
+        """The draft's RoPE frequencies (on its device) and scaling."""
+        return RopeFrequencies(self._inv_freq, self._rope_scaling, self._long_inv_freq, self._rope_long_after)
 
     @property
     def block_size(self) -> int:
@@ -279,19 +304,15 @@ class DFlashDraft(nn.Module):
         frequencies once the sequence is longer than `original_max_position_embeddings` (for dynamic NTK,
         `max_position_embeddings`), as transformers does per forward.
         """
-        if self._inv_freq.device != positions.device:
-            self._inv_freq = self._inv_freq.to(positions.device)
-            if self._long_inv_freq is not None:
-                self._long_inv_freq = self._long_inv_freq.to(positions.device)
         inv_freq = self._inv_freq
         if self._long_inv_freq is not None and last is not None:
-            long = (last + 1 > int(self._rope.original_max_position_embeddings or 0))[:, None, None]
+            long = (last + 1 > int(self._rope_long_after or 0))[:, None, None]
             inv_freq = torch.where(long, self._long_inv_freq, self._inv_freq)
         freqs = positions[..., None].float() * inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos(), emb.sin()
-        if self._rope.attention_scaling != 1.0:
-            cos, sin = cos * self._rope.attention_scaling, sin * self._rope.attention_scaling
+        if self._rope_scaling != 1.0:
+            cos, sin = cos * self._rope_scaling, sin * self._rope_scaling
         return cos.to(dtype), sin.to(dtype)
 
     def embed(self, token_ids: torch.Tensor, embed_weight: torch.Tensor) -> torch.Tensor:

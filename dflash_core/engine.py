@@ -12,14 +12,16 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from dflash_core.chat import as_token_ids
 from dflash_core.grammar import GrammarBackend, GrammarState
-from dflash_core.processors import LogitsProcessor, build_processor
+from dflash_core.outputs import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, StepOutput, TokenLogprob
+from dflash_core.pace import DecodePace
+from dflash_core.processors import build_processor
+from dflash_core.request_state import EngineRequest
 from dflash_core.runners.base import Drafter, DraftRequest, Proposal, TargetOutput, TargetRow, TargetRunner
 from dflash_core.sampling import (
     SamplingParams,
@@ -30,60 +32,12 @@ from dflash_core.sampling import (
 )
 from dflash_core.scheduler import Chunk, Scheduler
 from dflash_core.slots import SlotPool
-from dflash_core.speculation import SpecState, StepCosts, WidthPolicy
+from dflash_core.speculation import StepCosts, WidthPolicy
 from dflash_core.stats import RequestStats
 
 log = logging.getLogger("dflash.engine")
 
-FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR = "stop", "length", "abort", "error"
 _KEEP_FINISHED_STATS = 4096
-MIN_PREFILL_ROOM = 32  # prefill tokens a step always has room for, however fast its decode step
-PREFILL_SHARE = 0.5  # a step's prefill chunk may cost this much of a decode step while streams run
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-@dataclass
-class StepOutput:
-    """What one `step()` did for one request."""
-
-    request_id: int
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    stop_token_id: int | None = None
-    acceptance_length: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    is_prefill: bool = False
-    logprobs: list[TokenLogprob] | None = None
-    error: str | None = None
-    verify_width: int = 0  # tokens this request's verify row checked (1: a plain step; 0: no verify)
-
-
-@dataclass
-class _Request:
-    id: int
-    prompt: list[int]
-    params: SamplingParams
-    seed: int
-    stop_ids: frozenset[int]
-    stats: RequestStats
-    slot: int | None = None  # from the engine's SlotPool, held from prefill to the end
-    cache: Any = None
-    draft_state: Any = None
-    output: list[int] = field(default_factory=list)
-    position: int = 0  # position of output[-1], the one generated token not yet in the target cache
-    aborted: bool = False
-    prefilled: int = 0  # prompt tokens in the target cache (chunked prefill)
-    spec: SpecState | None = None  # the width policy's history of this request
-    drafted: bool = False  # it drafted in the current step
-    processor: LogitsProcessor | None = None  # penalties, logit_bias, min_tokens, grammar mask (None: none)
-    grammar: GrammarState | None = None  # structured output: the grammar over the committed tokens
 
 
 class Engine:
@@ -120,12 +74,11 @@ class Engine:
         self.eos_token_ids = list(eos_token_ids or [])
         self.max_model_len = int(max_model_len or target.max_position_embeddings)
         self._ids = itertools.count()
-        self._active: dict[int, _Request] = {}
+        self._active: dict[int, EngineRequest] = {}
         self._finished: OrderedDict[int, RequestStats] = OrderedDict()
         self.scheduler = Scheduler(self.slots, max_num_batched_tokens, prefill_chunk)
         self.policy = WidthPolicy(self.block_size, speculation, padded=target.pads_rows)
-        self._speedup: float | None = None
-        self._decode_seconds: float | None = None  # a decode step's time (draft + verify), running average
+        self.pace = DecodePace()  # decode step times, the speedup estimate
 
     # ---- requests ----
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -155,7 +108,7 @@ class Engine:
         grammar = self._grammar_state(params, stop)
         processor = build_processor(params, prompt, stop, vocab, grammar)
         rid = next(self._ids)
-        req = _Request(
+        req = EngineRequest(
             id=rid,
             prompt=prompt,
             params=params,
@@ -215,15 +168,14 @@ class Engine:
         fresh = WidthPolicy(self.block_size, self.policy.policy, padded=self.policy.padded)
         fresh.costs = self.policy.costs
         self.policy = fresh
-        self._speedup = None
-        self._decode_seconds = None
+        self.pace = DecodePace()
 
     def estimated_speedup(self) -> float | None:
         """Committed tokens per second of recent decode steps over what plain steps of the same batch would give,
         from the measured step costs (None until measured; 1.0 without a drafter)."""
         if self.drafter is None:
             return 1.0
-        return self._speedup
+        return self.pace.speedup
 
     def is_running(self, request_id: int) -> bool:
         """The request was added and has not finished yet."""
@@ -261,35 +213,30 @@ class Engine:
         return outputs
 
     def _prefill_room(self) -> int | None:
-        """While streams decode, the prefill tokens of a step: the most whose measured forward takes at most
-        PREFILL_SHARE of a decode step (a power of two, MIN_PREFILL_ROOM at least), so a long prompt delays
-        running streams by a fraction of a step at a time. None (the configured chunk) when nothing decodes or
-        nothing is measured."""
-        if not self.scheduler.running or self._decode_seconds is None or not self.scheduler.num_waiting():
+        """While streams decode, the prefill tokens of a step (`DecodePace.prefill_room`): the most whose measured
+        forward takes at most PREFILL_SHARE of a decode step, so a long prompt delays running streams by a fraction
+        of a step at a time. None (the configured chunk) when nothing decodes or nothing is measured."""
+        if not self.scheduler.running or not self.scheduler.num_waiting():
             return None
-        room = MIN_PREFILL_ROOM
-        while room < (self.scheduler.prefill_chunk or 1 << 20) and \
-                self.policy.costs.target(2 * room) <= PREFILL_SHARE * self._decode_seconds:
-            room *= 2
-        return room
+        return self.pace.prefill_room(self.policy.costs, self.scheduler.prefill_chunk)
 
-    def _emit(self, req: _Request, out: StepOutput, outputs: list[StepOutput]) -> None:
+    def _emit(self, req: EngineRequest, out: StepOutput, outputs: list[StepOutput]) -> None:
         if out.finish_reason is not None:
             self._retire(req)
         outputs.append(out)
 
     @staticmethod
-    def _error(req: _Request, exc: BaseException) -> StepOutput:
+    def _error(req: EngineRequest, exc: BaseException) -> StepOutput:
         log.error("request %d failed: %s", req.id, exc, exc_info=exc)
         return StepOutput(req.id, [], finish_reason=FINISH_ERROR, error=f"{type(exc).__name__}: {exc}")
 
-    def _guarded(self, req: _Request, fn: Any, *args: Any) -> StepOutput:
+    def _guarded(self, req: EngineRequest, fn: Any, *args: Any) -> StepOutput:
         try:
             return fn(req, *args)
         except Exception as exc:  # one request's failure must not take the others down
             return self._error(req, exc)
 
-    def _retire(self, req: _Request) -> None:
+    def _retire(self, req: EngineRequest) -> None:
         del self._active[req.id]
         self.scheduler.remove(req)
         req.cache = req.draft_state = None  # both caches dropped before their slot is free again
@@ -300,7 +247,7 @@ class Engine:
         while len(self._finished) > _KEEP_FINISHED_STATS:
             self._finished.popitem(last=False)
 
-    def _start(self, req: _Request) -> None:
+    def _start(self, req: EngineRequest) -> None:
         """Take a slot; create the request's target cache and draft state in it."""
         req.slot = self.slots.allocate()
         req.cache = self.target.new_cache(req.slot)
@@ -334,10 +281,10 @@ class Engine:
             return len(rows) * max(len(r.token_ids) for r in rows)
         return sum(len(r.token_ids) for r in rows)
 
-    def _prefill_batch(self, chunks: list[Chunk]) -> list[tuple[_Request, StepOutput]]:
+    def _prefill_batch(self, chunks: list[Chunk]) -> list[tuple[EngineRequest, StepOutput]]:
         """Prefill this step's chunks in one forward; a request whose prompt is now cached gets its first token."""
         t0 = time.perf_counter()
-        done: list[tuple[_Request, StepOutput]] = []
+        done: list[tuple[EngineRequest, StepOutput]] = []
         ready: list[Chunk] = []
         for ch in chunks:
             req = ch.req
@@ -365,7 +312,7 @@ class Engine:
                 done.append((req, step))
         return done
 
-    def _prefilled(self, req: _Request, chunk: Chunk, out: TargetOutput) -> StepOutput | None:
+    def _prefilled(self, req: EngineRequest, chunk: Chunk, out: TargetOutput) -> StepOutput | None:
         """A chunk is in the cache; after the last one, choose the first token."""
         if req.draft_state is not None and out.features is not None:
             self.drafter.extend_context(req.draft_state, out.features)
@@ -377,14 +324,16 @@ class Engine:
         self.scheduler.prefilled(req)
         return self._commit(req, token, out.logits, StepOutput(req.id, [], is_prefill=True))
 
-    def _draft_width(self, req: _Request) -> int:
+    def _draft_width(self, req: EngineRequest) -> int:
         """Draft tokens to propose: B-1, fewer when max_tokens is closer."""
         return min(self.block_size, req.params.max_tokens - len(req.output)) - 1
 
-    def _propose_all(self, reqs: list[_Request]) -> tuple[list[tuple[_Request, Proposal]], list[tuple[_Request, Any]]]:
+    def _propose_all(
+        self, reqs: list[EngineRequest]
+    ) -> tuple[list[tuple[EngineRequest, Proposal]], list[tuple[EngineRequest, Any]]]:
         """Proposals for every request (one batched draft call; empty for a plain step); failures apart."""
         plans = {req.id: (req, Proposal([], [])) for req in reqs}
-        failed: list[tuple[_Request, Any]] = []
+        failed: list[tuple[EngineRequest, Any]] = []
         for req in reqs:
             req.drafted = False
         if self.drafter is None:
@@ -412,7 +361,9 @@ class Engine:
                 failed.append((req, exc))
         return list(plans.values()), failed
 
-    def _decode_batch(self, reqs: list[_Request], verify_budget: int | None) -> list[tuple[_Request, StepOutput]]:
+    def _decode_batch(
+        self, reqs: list[EngineRequest], verify_budget: int | None
+    ) -> list[tuple[EngineRequest, StepOutput]]:
         t0 = time.perf_counter()
         proposed, failed = self._propose_all(reqs)
         done = [(req, self._error(req, exc)) for req, exc in failed]
@@ -436,28 +387,17 @@ class Engine:
             done.append((req, step))
             req.stats.decode_time += now - t0
             committed += step.acceptance_length
-        self._observe_speedup(len(plans), committed, now - t0)
-        took = now - t0
-        self._decode_seconds = took if self._decode_seconds is None else self._decode_seconds + 0.2 * (
-            took - self._decode_seconds)
+        self.pace.observe(self.policy.costs, len(plans), committed, now - t0, speculative=self.drafter is not None)
         return done
 
-    def _observe_speedup(self, rows: int, committed: int, seconds: float) -> None:
-        """Update the speedup estimate: this step's tokens per second over a plain step's (measured costs)."""
-        plain = self.policy.costs.plain_step(rows)
-        if self.drafter is None or plain <= 0 or seconds <= 0 or not committed:
-            return
-        ratio = (committed / seconds) / (rows / plain)
-        self._speedup = ratio if self._speedup is None else self._speedup + 0.1 * (ratio - self._speedup)
-
     @staticmethod
-    def _processed(req: _Request, logits: torch.Tensor, proposals: list[int]) -> torch.Tensor:
+    def _processed(req: EngineRequest, logits: torch.Tensor, proposals: list[int]) -> torch.Tensor:
         """The request's processed logits (`dflash_core.processors`): row i as plain decoding sees it after the
         output plus proposals[:i]. The raw logits stay for logprobs."""
         return logits if req.processor is None else req.processor.apply(logits, req.output, proposals)
 
     @staticmethod
-    def _grammar_cut(req: _Request, proposals: list[int]) -> list[int]:
+    def _grammar_cut(req: EngineRequest, proposals: list[int]) -> list[int]:
         """The proposals before the first one the grammar rejects: it could never be the target's choice."""
         if req.grammar is None or not proposals:
             return proposals
@@ -468,7 +408,7 @@ class Engine:
             return []
 
     def _choices(
-        self, plans: list[tuple[_Request, list[int]]], outs: list[TargetOutput | BaseException]
+        self, plans: list[tuple[EngineRequest, list[int]]], outs: list[TargetOutput | BaseException]
     ) -> list[list[int] | BaseException]:
         """The target's own choice at every verify row of every request, computed on the device and brought to
         the host in ONE transfer for the whole step (a request whose processing fails gets its exception)."""
@@ -494,7 +434,7 @@ class Engine:
                 result.append(r if isinstance(r, BaseException) else [])
         return result
 
-    def _accept(self, req: _Request, proposals: list[int], out: TargetOutput, chosen: list[int]) -> StepOutput:
+    def _accept(self, req: EngineRequest, proposals: list[int], out: TargetOutput, chosen: list[int]) -> StepOutput:
         """Keep the longest prefix of the draft that the target agrees with, plus the target's own next token.
 
         Row i of the verify block picks (in `chosen`) the token at position p + 1 + i with that position's uniform,
@@ -524,7 +464,7 @@ class Engine:
         # The accepted draft tokens (equal to the target's choices), then the target's own token after them.
         return self._commit(req, proposals[:accepted] + chosen[accepted : accepted + 1], out.logits, step)
 
-    def _commit(self, req: _Request, tokens: list[int], logits: torch.Tensor, step: StepOutput) -> StepOutput:
+    def _commit(self, req: EngineRequest, tokens: list[int], logits: torch.Tensor, step: StepOutput) -> StepOutput:
         """Append tokens, cutting at the first stop token or at max_tokens; fill in logprobs."""
         stop_at = next((i for i, tok in enumerate(tokens) if tok in req.stop_ids), None)
         if stop_at is not None:

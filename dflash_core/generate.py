@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from dflash_core.engine import Engine, StepOutput, TokenLogprob
+from dflash_core.engine import Engine
+from dflash_core.outputs import StepOutput, TokenLogprob
 from dflash_core.sampling import SamplingParams
 from dflash_core.stats import RequestStats
 

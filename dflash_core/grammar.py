@@ -7,8 +7,7 @@ A draft token the grammar rejects could never be the target's choice, so the pro
 grammar advances by committed tokens only (`advance`). A grammar ends by accepting a stop token (EOS or the
 request's stop ids), and the request ends with it.
 
-The tool-call builders (`tool_call_structure`) express "one or more calls of these tools, each with arguments
-matching its schema" in the two text styles the tool-call parsers read (hermes, llama3_json) as a Lark grammar.
+Tool calls as a grammar (`tool_call_structure`) live in `dflash_core/tool_grammar.py`.
 """
 
 from __future__ import annotations
@@ -21,17 +20,14 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
-import torch
+from dflash_core.grammar_checks import TokenizerSource, check_schema, rss_bytes, short_error
+
+if TYPE_CHECKING:  # imported where used: the grammar helper process (server.grammar_compile) runs without torch
+    import torch
 
 KINDS = ("json_object", "json_schema", "regex", "ebnf", "lark")
-TOOL_STYLES = ("hermes", "llama3_json")
-# How each style writes one call, and what separates parallel calls (what the matching tool-call parser reads).
-_TOOL_TAGS = {
-    "hermes": ("<tool_call>\n", "\n</tool_call>", "\n", "arguments"),
-    "llama3_json": ("", "", "; ", "parameters"),
-}
 # JSON as json.dumps writes it (", " and ": ", no other whitespace): unbounded whitespace lets a model loop on spaces.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -108,6 +104,10 @@ class CompiledGrammar(ABC):
     def matcher(self, stop_ids: Sequence[int]) -> TokenMatcher:
         """A fresh matcher at the grammar's start that ends on any of `stop_ids` (a copy: cheap)."""
 
+    def prepare(self, copies: int) -> None:
+        """Make `copies` matchers' expensive part now (in a preparation thread), for `matcher` to take."""
+        del copies  # by default nothing is worth making ahead
+
 
 class GrammarBackend(ABC):
     """Compiles `StructuredOutput`s for one tokenizer and vocabulary.
@@ -121,9 +121,12 @@ class GrammarBackend(ABC):
     def compile(self, structured: StructuredOutput) -> CompiledGrammar:
         """`structured` compiled (cached); ValueError naming the problem when it does not compile."""
 
-    def precompile(self, structured: StructuredOutput) -> StructuredOutput:
-        """`structured` carrying its compiled grammar (for the engine to copy)."""
-        return dataclasses.replace(structured, compiled=self.compile(structured))
+    def precompile(self, structured: StructuredOutput, copies: int = 1) -> StructuredOutput:
+        """`structured` carrying its compiled grammar with `copies` matchers made ahead (one per request that
+        will use it), so that the engine's thread neither compiles nor copies."""
+        compiled = self.compile(structured)
+        compiled.prepare(copies)
+        return dataclasses.replace(structured, compiled=compiled)
 
     def matcher(self, structured: StructuredOutput, stop_ids: Sequence[int]) -> TokenMatcher:
         """A fresh matcher for `structured` that ends on any of `stop_ids`: a copy of its precompiled grammar, else
@@ -135,7 +138,7 @@ class GrammarBackend(ABC):
 
 
 @contextmanager
-def _llguidance_errors(what: str, error: type[Exception] = ValueError) -> Iterator[None]:
+def llguidance_errors(what: str, error: type[Exception] = ValueError) -> Iterator[None]:
     """llguidance's failures as `error`, panics included: a Rust panic reaches Python as pyo3's PanicException, a
     BaseException that would otherwise end the thread (the engine's worker) instead of the request."""
     try:
@@ -148,36 +151,71 @@ def _llguidance_errors(what: str, error: type[Exception] = ValueError) -> Iterat
         raise error(f"{what}: {type(exc).__name__}: {exc}") from None
 
 
-class _LLGuidanceCompiled(CompiledGrammar):
-    """A compiled LLMatcher at the grammar's start (copied per request)."""
+@dataclass
+class _Template:
+    """A cache entry: the compiled LLMatcher at the grammar's start, its first mask, its memory (an estimate)."""
 
-    def __init__(self, backend: LLGuidanceBackend, structured: StructuredOutput, template: Any) -> None:
+    matcher: Any
+    first: torch.Tensor  # bool [vocab_size]: what the grammar allows first (llguidance's EOS included)
+    nbytes: int
+
+
+class _LLGuidanceCompiled(CompiledGrammar):
+    """A compiled LLMatcher at the grammar's start (copied per request; copies made ahead by `prepare`)."""
+
+    def __init__(self, backend: LLGuidanceBackend, structured: StructuredOutput, template: _Template) -> None:
         super().__init__(backend, structured)
         self._llg = backend
         self.template = template
+        self._spares: list[Any] = []  # copies made in a preparation thread (list.pop is atomic)
+
+    def _copy(self) -> Any:
+        with llguidance_errors(f"{self.kind} matcher", RuntimeError):
+            return self.template.matcher.deep_copy()
+
+    def prepare(self, copies: int) -> None:
+        self._spares.extend(self._copy() for _ in range(max(0, copies - len(self._spares))))
 
     def matcher(self, stop_ids: Sequence[int]) -> TokenMatcher:
-        with _llguidance_errors(f"{self.kind} matcher", RuntimeError):
-            m = self.template.deep_copy()
-        return _LLGuidanceMatcher(m, self._llg.ll_tokenizer, stop_ids, self._llg.vocab_size)
+        try:
+            m = self._spares.pop()
+        except IndexError:
+            m = self._copy()
+        return _LLGuidanceMatcher(m, self._llg.ll_tokenizer, stop_ids, self._llg.vocab_size, self.template.first)
 
 
 class LLGuidanceBackend(GrammarBackend):
     """llguidance over a Hugging Face (fast) tokenizer. `vocab_size` is the model's (lm_head) vocabulary: ids
     beyond the tokenizer's are never allowed. The tokenizer's vocabulary is read on the first structured request
     (a fraction of a second, up to a second or so for a large vocabulary, which requests without a grammar never
-    pay); compiled grammars are cached and each request gets a copy. Thread-safe: the cache and the tokenizer
-    read are locked; two threads compiling the same spec at once both compile it (one is kept)."""
+    pay); compiled grammars are cached, at most `cache_entries` of them and `cache_bytes` of memory together (each
+    measured as the process's memory growth while it compiled: an estimate, on the high side when other threads
+    allocate meanwhile), and each request gets a copy. A compile computes the grammar's first mask too, so that
+    a grammar that allows nothing is an error here and no request computes that mask on the engine's thread.
+    Thread-safe: the cache and the tokenizer read are locked; two threads compiling the same spec at once both
+    compile it (one is kept)."""
 
     CACHE = 64  # compiled grammars kept (least recently used dropped)
+    CACHE_BYTES = 512 * 1024 * 1024  # and their memory together (one anyOf-heavy schema can take 30-50 MB)
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, cache_entries: int = CACHE, cache_bytes: int = CACHE_BYTES
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = int(vocab_size)
+        self.cache_entries = cache_entries
+        self.cache_bytes = cache_bytes
         self._ll_tokenizer: Any = None
-        self._compiled: OrderedDict[tuple[str, str], _LLGuidanceCompiled] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str, str], _Template] = OrderedDict()
         self._lock = threading.Lock()
         self._tokenizer_lock = threading.Lock()
+
+    def tokenizer_source(self) -> TokenizerSource:
+        """What this backend's llguidance tokenizer is built from (for a grammar helper process)."""
+        try:
+            return TokenizerSource.of(self.tokenizer, self.vocab_size)
+        except Exception as exc:  # a request error (400), not a server failure
+            raise ValueError(f"structured output is unavailable for this tokenizer: {exc}") from None
 
     @property
     def ll_tokenizer(self) -> Any:
@@ -185,44 +223,87 @@ class LLGuidanceBackend(GrammarBackend):
         if self._ll_tokenizer is None:
             with self._tokenizer_lock:
                 if self._ll_tokenizer is None:
+                    source = self.tokenizer_source()
                     try:
-                        with _llguidance_errors("the tokenizer's read"):
-                            import llguidance.hf
-
-                            n_vocab = max(self.vocab_size, len(self.tokenizer))
-                            self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=n_vocab)
-                    except Exception as exc:  # a request error (400), not a server failure
+                        with llguidance_errors("the tokenizer's read"):
+                            self._ll_tokenizer = source.build()
+                    except Exception as exc:
                         raise ValueError(f"structured output is unavailable for this tokenizer: {exc}") from None
         return self._ll_tokenizer
 
-    def compile(self, structured: StructuredOutput) -> CompiledGrammar:
-        from llguidance import LLMatcher
+    @property
+    def cached_bytes(self) -> int:
+        """The memory of the cached grammars (their estimates, together)."""
+        with self._lock:
+            return sum(t.nbytes for t in self._compiled.values())
 
-        key = (structured.kind, structured.spec if isinstance(structured.spec, str) else json.dumps(structured.spec))
+    def compile(self, structured: StructuredOutput) -> CompiledGrammar:
+        key = _cache_key(structured)
         with self._lock:
             cached = self._compiled.get(key)
             if cached is not None:
                 self._compiled.move_to_end(key)
-        if cached is not None:
-            return _LLGuidanceCompiled(self, structured, cached.template)
+        if cached is None:
+            cached = self._build(structured)
+            self._keep(key, cached)
+        return _LLGuidanceCompiled(self, structured, cached)
+
+    def _build(self, structured: StructuredOutput) -> _Template:
+        """`structured` compiled, with its first mask (ValueError naming the problem)."""
+        from llguidance import LLMatcher
+
         grammar = _llguidance_grammar(structured)
         ll_tokenizer = self.ll_tokenizer
-        with _llguidance_errors(f"{structured.kind} does not compile"):
+        before = rss_bytes()
+        with llguidance_errors(f"{structured.kind} does not compile"):
             template = LLMatcher(ll_tokenizer, grammar, log_level=0)
             if template.is_error():
-                raise ValueError(f"{structured.kind} does not compile: {template.get_error()}")
-        compiled = _LLGuidanceCompiled(self, structured, template)
+                raise ValueError(f"{structured.kind} does not compile: {short_error(template.get_error())}")
+            first = _first_mask(template, ll_tokenizer, self.vocab_size, structured.kind)
+        # the text, the compiled rules and the lexer states: never less than a few times the grammar's text
+        nbytes = max(rss_bytes() - before, 4 * len(grammar))
+        return _Template(template, first, nbytes)
+
+    def _keep(self, key: tuple[str, str], template: _Template) -> None:
+        """Cache `template`, dropping the least recently used beyond the entry and byte bounds."""
+        if template.nbytes > self.cache_bytes:
+            return  # alone over the bound: compiled for this request only
         with self._lock:
-            self._compiled[key] = compiled
-            while len(self._compiled) > self.CACHE:
-                self._compiled.popitem(last=False)
-        return compiled
+            self._compiled[key] = template
+            total = sum(t.nbytes for t in self._compiled.values())
+            while len(self._compiled) > self.cache_entries or total > self.cache_bytes:
+                _, dropped = self._compiled.popitem(last=False)
+                total -= dropped.nbytes
+
+
+def _cache_key(structured: StructuredOutput) -> tuple[str, str]:
+    spec = structured.spec
+    return structured.kind, spec if isinstance(spec, str) else json.dumps(spec)
+
+
+def _first_mask(template: Any, ll_tokenizer: Any, vocab_size: int, kind: str) -> torch.Tensor:
+    """What `template` allows first, as bool [vocab_size] (ValueError when the grammar allows nothing)."""
+    import torch
+
+    bitmask = torch.full(((ll_tokenizer.vocab_size + 31) // 32,), -1, dtype=torch.int32)
+    template.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * bitmask.element_size())
+    if template.is_error():
+        raise ValueError(f"{kind} does not compile: {short_error(template.get_error())}")
+    return _unpack(bitmask, vocab_size)
+
+
+def _unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """llguidance's bitmask as bool [vocab_size] (bit j of word w is token 32 w + j)."""
+    import torch
+
+    bits = (bitmask[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.reshape(-1)[:vocab_size].bool()
 
 
 def _llguidance_grammar(structured: StructuredOutput) -> str:
     """llguidance's grammar text for `structured` (checked when the matcher is built); ValueError for what cannot
     even be translated."""
-    with _llguidance_errors(f"{structured.kind} does not compile"):  # a panic too
+    with llguidance_errors(f"{structured.kind} does not compile"):  # a panic too
         return _translate(structured)
 
 
@@ -238,6 +319,7 @@ def _translate(structured: StructuredOutput) -> str:
             spec = structured.spec
             if spec is False:
                 raise ValueError("the schema false allows no value")
+            check_schema(spec)  # before llguidance reads it: some schemas crash it
             return LLMatcher.grammar_from_json_schema({} if spec is True else spec, overrides=JSON_OPTIONS)
         if structured.kind == "regex":
             return LLMatcher.grammar_from_regex(str(structured.spec))
@@ -250,11 +332,19 @@ def _translate(structured: StructuredOutput) -> str:
 class _LLGuidanceMatcher(TokenMatcher):
     """llguidance's LLMatcher, with the request's stop ids as the grammar's end: llguidance's own end token (the
     tokenizer's EOS) only tells that the grammar is accepting; a stop id is allowed exactly then, and accepting
-    one terminates the matcher here (llguidance never sees it, so a rollback over it is ours)."""
+    one terminates the matcher here (llguidance never sees it, so a rollback over it is ours). At the grammar's
+    start the mask is `first`, computed once when the grammar compiled (the engine's thread computes masks only
+    after a committed token)."""
 
-    def __init__(self, m: Any, ll_tokenizer: Any, stop_ids: Sequence[int], vocab_size: int) -> None:
+    def __init__(
+        self, m: Any, ll_tokenizer: Any, stop_ids: Sequence[int], vocab_size: int, first: torch.Tensor | None = None
+    ) -> None:
+        import torch
+
         self.m = m
         self.vocab_size = vocab_size
+        self.first = first
+        self.depth = 0  # tokens llguidance has consumed (0: at the start, where `first` holds)
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         self.stop = torch.tensor(sorted(t for t in self.stop_ids if 0 <= t < vocab_size), dtype=torch.long)
         self.ll_eos_ids = frozenset(int(t) for t in ll_tokenizer.eos_tokens) - self.stop_ids
@@ -262,18 +352,23 @@ class _LLGuidanceMatcher(TokenMatcher):
         # one bit per id of llguidance's vocabulary, filled in place (what llguidance.torch.fill_next_token_bitmask
         # does; importing that module costs seconds of torch.compile set-up)
         self.bitmask = torch.full(((ll_tokenizer.vocab_size + 31) // 32,), -1, dtype=torch.int32)
-        self.shifts = torch.arange(32, dtype=torch.int32)
         self.terminated = False
 
     def allowed(self) -> torch.Tensor:
+        import torch
+
         if self.terminated:
             return torch.zeros(self.vocab_size, dtype=torch.bool)
-        with _llguidance_errors("grammar matcher failed", RuntimeError):
-            self.m.unsafe_compute_mask_ptr(self.bitmask.data_ptr(), self.bitmask.numel() * self.bitmask.element_size())
-        if self.m.is_error():  # a resource limit mid-output: fail this request, not the batch
-            raise RuntimeError(f"grammar matcher failed: {self.m.get_error()}")
-        bits = (self.bitmask[:, None] >> self.shifts) & 1  # bit j of word w is token 32 w + j
-        allowed = bits.reshape(-1)[: self.vocab_size].bool()
+        if self.depth == 0 and self.first is not None:
+            allowed = self.first.clone()
+        else:
+            with llguidance_errors("grammar matcher failed", RuntimeError):
+                self.m.unsafe_compute_mask_ptr(
+                    self.bitmask.data_ptr(), self.bitmask.numel() * self.bitmask.element_size()
+                )
+            if self.m.is_error():  # a resource limit mid-output: fail this request, not the batch
+                raise RuntimeError(f"grammar matcher failed: {short_error(self.m.get_error())}")
+            allowed = _unpack(self.bitmask, self.vocab_size)
         allowed[self.ll_eos] = False
         allowed[self.stop] = self.m.is_accepting()
         return allowed
@@ -287,14 +382,17 @@ class _LLGuidanceMatcher(TokenMatcher):
             return self.terminated
         if token in self.ll_eos_ids:  # not this request's stop: never allowed (see allowed)
             return False
-        with _llguidance_errors("grammar matcher failed", RuntimeError):
-            return self.m.try_consume_tokens([token]) == 1  # unlike consume_token, a rejection leaves no error state
+        with llguidance_errors("grammar matcher failed", RuntimeError):
+            ok = self.m.try_consume_tokens([token]) == 1  # unlike consume_token, a rejection leaves no error state
+        self.depth += ok
+        return ok
 
     def rollback(self, n: int) -> None:
         if n and self.terminated:
             self.terminated, n = False, n - 1
         if n and not self.m.rollback(n):
             raise RuntimeError(f"grammar matcher cannot roll back {n} tokens: {self.m.get_error()}")
+        self.depth -= n
 
     def is_terminated(self) -> bool:
         return self.terminated
@@ -370,91 +468,3 @@ class GrammarState:
 
     def is_terminated(self) -> bool:
         return self.started and self.matcher.is_terminated()
-
-
-# ---- tool calls as a grammar ----
-def tool_call_structure(
-    tools: Sequence[dict[str, Any]],
-    style: Literal["hermes", "llama3_json"],
-    named: str | None = None,
-    parallel: bool = True,
-) -> StructuredOutput:
-    """A Lark `StructuredOutput` for tool calls: one call (or, with `parallel`, one or more) of `tools` (OpenAI
-    `{"type": "function", "function": {...}}` entries), or of the tool `named` only, each call's arguments matching
-    that tool's `parameters` JSON schema; ValueError naming a tool whose parameters do not compile.
-
-    hermes writes `<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>`, parallel calls joined by "\\n";
-    llama3_json writes `{"name": N, "parameters": {...}}`, parallel calls joined by "; ".
-    """
-    from llguidance import LLMatcher
-
-    if style not in _TOOL_TAGS:
-        raise ValueError(f"tool-call style must be one of {', '.join(TOOL_STYLES)}, got {style!r}")
-    begin, end, separator, args_key = _TOOL_TAGS[style]
-    functions = [tool.get("function", tool) for tool in tools]
-    if named is not None:
-        functions = [f for f in functions if f.get("name") == named]
-        if not functions:
-            raise ValueError(f"tool_choice names {named!r}, which is not among the tools")
-    if not functions:
-        raise ValueError("tools must hold at least one function")
-    rules = []
-    for i, fn in enumerate(functions):
-        params = dict(fn.get("parameters") or {"type": "object", "properties": {}})
-        # each call is its own schema document: the parameters' definitions move to its root, where their
-        # "#/$defs/..." references point; every other root-relative reference ("#", "#/properties/...") is
-        # rebased onto where the parameters now sit
-        params.pop("$id", None)  # the parameters are no longer a document of their own
-        params = _rebase_refs(params, f"#/properties/{args_key}", fn["name"])
-        defs = {k: params.pop(k) for k in ("$defs", "definitions") if k in params}
-        schema = {"type": "object", "properties": {"name": {"const": fn["name"]}, args_key: params},
-                  "required": ["name", args_key], "additionalProperties": False, **defs, "x-guidance": JSON_OPTIONS}
-        with _llguidance_errors(f"tool {fn['name']!r}: parameters do not compile"):
-            error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema))
-        if error:
-            raise ValueError(f"tool {fn['name']!r}: parameters do not compile: {error}")
-        rules.append(f"call_{i}: %json {json.dumps(schema)}")
-    # the calls' JSON share one lexeme class, so the parser keeps every tool open until "name" decides
-    call = " ".join([*([json.dumps(begin)] if begin else []), "body", *([json.dumps(end)] if end else [])])
-    start = f"start: call ({json.dumps(separator)} call)*" if parallel else "start: call"
-    body = "body: " + " | ".join(f"call_{i}" for i in range(len(functions)))
-    return StructuredOutput("lark", "\n".join([start, f"call: {call}", body, *rules]) + "\n")
-
-
-_DEF_KEYS = ("$defs", "definitions")
-_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values there are data, not schemas
-
-
-def _rebase_refs(schema: Any, base: str, tool: str) -> Any:
-    """`schema` with its root-relative `$ref`s pointing under `base` (a JSON pointer fragment), except those into
-    its own `$defs` / `definitions`, which move to the new root with it; ValueError for a nested `$id` (the
-    references under it are relative to another document, which the rewrite cannot follow)."""
-
-    def rebase(ref: str) -> str:
-        if ref != "#" and not ref.startswith("#/"):
-            return ref  # a remote reference or an anchor: not root-relative
-        path = ref[1:]
-        if any(path == f"/{k}" or path.startswith(f"/{k}/") for k in _DEF_KEYS):
-            return ref
-        return base + path
-
-    def walk(value: Any, root: bool) -> Any:
-        if isinstance(value, list):
-            return [walk(v, False) for v in value]
-        if not isinstance(value, dict):
-            return value
-        if not root and isinstance(value.get("$id"), str):
-            raise ValueError(f"tool {tool!r}: parameters with a nested $id are not supported")
-        out: dict[str, Any] = {}
-        for k, v in value.items():
-            if k == "$ref" and isinstance(v, str):
-                out[k] = rebase(v)
-            elif k == "properties" and isinstance(v, dict):  # property names are names, their values schemas
-                out[k] = {name: walk(sub, False) for name, sub in v.items()}
-            elif k in _DATA_KEYWORDS:
-                out[k] = v
-            else:
-                out[k] = walk(v, False)
-        return out
-
-    return walk(schema, True)

@@ -27,9 +27,9 @@ import torch
 from dflash_core.chat import as_token_ids, encode_chat, encode_text
 from dflash_core.config import EngineConfig
 from dflash_core.detokenize import OutputText
-from dflash_core.engine import FINISH_ABORT, FINISH_ERROR, TokenLogprob
 from dflash_core.generate import RequestOutput, iter_steps, params_per_prompt
 from dflash_core.loading import LoadedModels, load_models
+from dflash_core.outputs import FINISH_ABORT, FINISH_ERROR, TokenLogprob
 from dflash_core.sampling import SamplingParams
 from dflash_core.stats import SpecSummary
 

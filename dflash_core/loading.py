@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from dflash_core.chat import eos_token_ids
-from dflash_core.compile import StaticShapes, compile_enabled, default_batch_sizes, parse_sizes
+from dflash_core.compile import StaticShapes, compile_enabled, default_batch_sizes, parse_sizes, use_compile_cache
 from dflash_core.config import DraftConfig, EngineConfig
 from dflash_core.draft import DFlashDraft
 from dflash_core.draft_formats import read_draft_config
@@ -195,6 +195,7 @@ def static_shapes(config: EngineConfig, device: torch.device) -> StaticShapes | 
     """The buckets of the compiled decode step, or None when compile is off (--no-compile; on CPU by default)."""
     if not compile_enabled(config.compile, device):
         return None
+    use_compile_cache(config.compile_cache)
     batch = parse_sizes(config.compile_batch_sizes, "compile_batch_sizes")
     widths = parse_sizes(config.compile_widths, "compile_widths")
     assert widths is not None

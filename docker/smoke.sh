@@ -7,8 +7,12 @@
 #   docker/smoke.sh                                  # docker if installed, else podman; CPU torch
 #   ENGINE=podman docker/smoke.sh
 #   IMAGE=dflash-serve:cpu SKIP_BUILD=1 docker/smoke.sh     # an image built already
+#   PIP_INDEX_URL=https://mirror.example/simple docker/smoke.sh                 # packages from a mirror
+#   docker/smoke.sh --network host --build-arg HTTPS_PROXY=http://proxy:3128   # any build options
+# Arguments are passed to `$ENGINE build` as they are (not allowed with SKIP_BUILD=1).
 # Settings (environment): ENGINE, IMAGE (default dflash-serve:smoke), PORT (host port on 127.0.0.1, default
-# 18000), TORCH_INDEX_URL (default the CPU wheels), SKIP_BUILD=1, START_TIMEOUT (seconds, default 300).
+# 18000), TORCH_INDEX_URL (default the CPU wheels), PIP_INDEX_URL (a package mirror; default: none, PyPI),
+# SKIP_BUILD=1, START_TIMEOUT (seconds, default 300).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,11 +39,15 @@ cleanup() { "$ENGINE" rm -f "$NAME" >/dev/null 2>&1 || true; }
 trap cleanup EXIT
 
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
-    step "build $IMAGE with $ENGINE (TORCH_INDEX_URL=$TORCH_INDEX_URL)"
+    step "build $IMAGE with $ENGINE (TORCH_INDEX_URL=$TORCH_INDEX_URL${PIP_INDEX_URL:+, PIP_INDEX_URL=$PIP_INDEX_URL})"
     build_args=(build --build-arg "TORCH_INDEX_URL=${TORCH_INDEX_URL}" -t "$IMAGE")
+    if [ -n "${PIP_INDEX_URL:-}" ]; then build_args+=(--build-arg "PIP_INDEX_URL=${PIP_INDEX_URL}"); fi
     # podman's default OCI image format has no HEALTHCHECK: build in docker format
     if [ "$ENGINE" = podman ]; then build_args+=(--format docker); fi
-    "$ENGINE" "${build_args[@]}" .
+    "$ENGINE" "${build_args[@]}" "$@" .
+elif [ "$#" -gt 0 ]; then
+    echo "smoke: build options ($*) given with SKIP_BUILD=1" >&2
+    exit 2
 fi
 
 step "image metadata"

@@ -9,6 +9,7 @@ compiles is reported as INVALID (it would be "caught" for the wrong reason).
     python scripts/mutation_check.py              # all entries, two at a time
     python scripts/mutation_check.py --list       # the entries
     python scripts/mutation_check.py -k top_p     # entries whose name contains "top_p"
+    python scripts/mutation_check.py -k api_key -k logprobs   # either
 
 Exit 0 when every planted bug made some test fail; 1 when one survived; 2 when an entry is stale or invalid.
 Runs in about 5-8 minutes on 2 cores.
@@ -152,6 +153,18 @@ MUTATIONS: tuple[Mutation, ...] = (
     m("stop_string_cut_one_token_late", "dflash_core/detokenize.py", "RequestDecoder.feed",
       "res.tokens_used = i + 1", "res.tokens_used = i + 2",
       "tests/test_demo_quality.py::test_stop_string_inside_a_multi_token_step"),
+    m("detok_python_path_emits_split_chars", "dflash_core/detokenize.py", "IncrementalDetokenizer._advance",
+      "(len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR))",
+      "len(new_text) <= len(prefix_text)", "tests/test_detokenize.py"),
+    m("api_key_prefix_accepted", "server/checks.py", "check_auth",
+      "not hmac.compare_digest(token.strip().encode(), api_key.encode())", "not api_key.startswith(token.strip())",
+      "tests/test_api_key.py"),
+    Mutation("logprobs_of_processed_logits", ACCEPT, "Engine._prefilled, Engine._accept", (
+        ("self._commit(req, token, out.logits, StepOutput(req.id, [], is_prefill=True))",
+         "self._commit(req, token, self._processed(req, out.logits, []), StepOutput(req.id, [], is_prefill=True))"),
+        ("proposals[:accepted] + chosen[accepted : accepted + 1], out.logits, step)",
+         "proposals[:accepted] + chosen[accepted : accepted + 1], self._processed(req, out.logits, proposals), step)"),
+    ), ("tests/test_processors.py::test_logprobs_are_the_raw_model_distribution_under_every_control",)),
 )
 
 
@@ -221,11 +234,12 @@ def make_copy(root: Path, python: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-k", default="", help="only entries whose name contains this text")
+    p.add_argument("-k", action="append", default=[],
+                   help="only entries whose name contains this text (repeat: any of them)")
     p.add_argument("--jobs", type=int, default=2, help="mutations checked at once, each in its own copy")
     p.add_argument("--list", action="store_true", help="list the entries and exit")
     args = p.parse_args(argv)
-    chosen = [m for m in MUTATIONS if args.k in m.name]
+    chosen = [m for m in MUTATIONS if not args.k or any(k in m.name for k in args.k)]
     if args.list:
         for m in chosen:
             print(f"{m.name:36s} {m.file}:{m.function}  -> {' '.join(m.tests)}")

@@ -36,10 +36,11 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from uvicorn.server import ServerState as UvicornState
 
 import dflash_core  # noqa: F401  # before server.app loads torch: sets OMP_WAIT_POLICY=PASSIVE (see its docstring)
-from server.app import ServerState, create_app
+from server.api_error import RETRY_AFTER_S
+from server.app import create_app
 from server.logs import setup_logging
-from server.protocol import RETRY_AFTER_S
 from server.settings import Settings, read_yaml, resolve_settings
+from server.state import ServerState
 
 log = logging.getLogger("dflash.server")
 FLUSH_S = 5.0  # after the shutdown timeout: time for failed requests' last bytes, then for uvicorn to close

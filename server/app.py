@@ -1,4 +1,4 @@
-"""The HTTP face: ``create_app(settings)``, the state its routes share (``ServerState``), and the routes.
+"""The HTTP face: ``create_app(settings)`` and the routes, over the state they share (``server.state.ServerState``).
 
 Routes check (``server.checks``), parse (``server.parsing``: in place when cheap, in a helper process otherwise,
 so that no body stalls the event loop or the engine), tokenize in a thread pool (``server.runs``: long texts at
@@ -11,14 +11,10 @@ loaded in a background thread so that ``/health`` answers 503 meanwhile.
 
 from __future__ import annotations
 
-import gc
 import json
-import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,139 +24,21 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import AppStatus
 from starlette.concurrency import run_in_threadpool
 
-from dflash_core.config import EngineConfig
-from dflash_core.detokenize import TokenStrings
-from dflash_core.loading import DEMO_DRAFT, DEMO_TARGET, LoadedModels, load_models
+from dflash_core.loading import LoadedModels
 from server import __version__
-from server.chat_setup import ChatSetup
+from server.chat_request import ChatCompletionRequest
 from server.checks import check_auth, check_content_type, check_model, check_ready, read_body
+from server.completion_request import CompletionRequest
 from server.errors import CLIENT_GONE, error_response, event_error, install_error_handlers
 from server.formatters import ChatFormatter, Choice, CompletionFormatter, ResponseFormatter
-from server.generation_config import GenerationDefaults, load_generation_defaults
-from server.metrics import ServerMetrics
-from server.parsing import Limiter, ParsePool, is_cheap
-from server.prompts import PromptBuilder
-from server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    body_schema,
-    new_id,
-    now_ts,
-    request_schemas,
-)
-from server.runs import Run, completion_budget, prepare, sampling_params, start_run, tokenize_limiter
+from server.parsing import is_cheap
+from server.protocol import body_schema, new_id, request_schemas
+from server.runs import Run, completion_budget, prepare, sampling_params, start_run
 from server.settings import Settings
+from server.state import ServerState, display_name
 from server.streaming import event_stream, first_event, stream_body
 from server.tokenize_routes import install_tokenize_routes
 from server.worker import Worker
-
-log = logging.getLogger("dflash.server")
-
-
-@dataclass
-class ServerState:
-    """What the routes share: settings, the loaded models, the worker, the metrics."""
-
-    settings: Settings
-    models: LoadedModels | None = None
-    worker: Worker | None = None
-    metrics: ServerMetrics | None = None
-    token_strings: TokenStrings | None = None
-    prompts: PromptBuilder | None = None
-    chat_setup: ChatSetup | None = None
-    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
-    served_model_name: str = ""
-    load_error: str | None = None
-    parser: ParsePool = field(default_factory=ParsePool)
-    tokenize_limiter: Limiter = field(default_factory=tokenize_limiter)
-    draining: bool = False  # set on SIGTERM (server.__main__): new requests get 503, /health 503
-    created: int = field(default_factory=now_ts)
-
-    @property
-    def ready(self) -> bool:
-        """Models loaded and the worker running."""
-        return self.worker is not None and self.worker.is_alive()
-
-    def install(self, models: LoadedModels) -> None:
-        """Start serving ``models``: metrics, worker thread."""
-        s = self.settings
-        self.served_model_name = s.served_model_name or display_name(models.target_name)
-        self.metrics = ServerMetrics(
-            block_size=models.block_size,
-            target=display_name(models.target_name),
-            draft=display_name(models.draft_name),
-            device=models.device,
-            backend=models.backend,
-            max_model_len=models.engine.max_model_len,
-        )
-        self.chat_setup = ChatSetup(
-            models.tokenizer, s.reasoning_parser, s.tool_call_parser, s.enable_auto_tool_choice, models.engine.grammar
-        )
-        self.generation_defaults = load_generation_defaults(s.generation_config, models.target_name)
-        self.token_strings = TokenStrings(models.tokenizer)
-        self.prompts = PromptBuilder(
-            models.tokenizer,
-            models.engine.max_model_len,
-            allow_special_tokens=s.allow_special_tokens,
-            chat_template=s.chat_template_text(),
-            trust_request_chat_template=s.trust_request_chat_template,
-        )
-        worker = Worker(
-            models.engine,
-            models.tokenizer,
-            self.metrics,
-            max_running=s.max_running_requests,
-            max_waiting=s.max_waiting_requests,
-        )
-        worker.start()
-        self.models = models
-        self.worker = worker
-        # Everything loaded so far lives as long as the server: out of the collector's sight, so that a full
-        # collection no longer walks it (tens of ms each time, a stall for every running stream).
-        gc.collect()
-        gc.freeze()
-        log.info(
-            "serving %s as %r (draft %s, block size %d, device %s, dtype %s, max model len %d)",
-            models.target_name,
-            self.served_model_name,
-            models.draft_name or "none (autoregressive)",
-            models.block_size,
-            models.device,
-            models.dtype,
-            models.engine.max_model_len,
-        )
-
-    def load(self, on_error: Callable[[str], None] | None) -> None:
-        """Load the models (background thread), then start serving."""
-        s = self.settings
-        if s.speculative and s.draft is None and s.target is not None:
-            log.warning("no draft model given: serving the target autoregressively")
-        try:
-            models = load_models(EngineConfig.from_settings(s))  # without --speculative: no draft
-            models.engine.warm_up()  # before serving: cold first forwards must not reach the width policy
-            self.install(models)
-        except Exception as e:
-            self.load_error = " ".join(f"{type(e).__name__}: {e}".split())  # one line
-            # one clear line; the traceback only with --log-level debug
-            log.error("loading the models failed: %s", self.load_error, exc_info=log.isEnabledFor(logging.DEBUG))
-            if on_error is not None:
-                on_error(self.load_error)
-
-
-def display_name(name: str | None) -> str:
-    """A model's name for metrics and /v1/models (and the default API name): the folder's name, not its path,
-    ``dflash-demo`` for the demo models, or the hub id."""
-    if not name:
-        return ""
-    path = Path(name).expanduser()
-    if not path.exists():  # a hub id ("org/name"), or a path that has gone: its last part
-        return path.name if name.startswith(("/", ".", "~")) or name.count("/") > 1 else name
-    resolved = path.resolve()
-    if resolved == DEMO_TARGET.resolve():
-        return "dflash-demo"
-    if resolved == DEMO_DRAFT.resolve():
-        return "dflash-demo-draft"
-    return resolved.name
 
 
 def create_app(
@@ -177,6 +55,8 @@ def create_app(
             threading.Thread(target=state.load, args=(on_load_error,), name="dflash-load", daemon=True).start()
         yield
         await state.parser.close()
+        if state.chat_setup is not None:
+            await state.chat_setup.close()  # the grammar helper processes
         if state.worker is not None:
             await run_in_threadpool(state.worker.stop)
 
@@ -270,6 +150,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         size = sum(len(m.text()) + 1 + (len(m.content) if isinstance(m.content, list) else 0) for m in req.messages)
         size += sum(len(json.dumps(t.function.parameters or {})) for t in req.tools or [])
         assert state.chat_setup is not None
+        await state.chat_setup.check(req, request)  # its grammar tried in a helper process first: a crash is a 400
         # the prompt, then the output plan and its grammar compiled (seconds for a big schema): off the event loop,
         # and off the engine's thread, which only copies the compiled grammar
         prompt, plan, structured = await prepare(
@@ -336,7 +217,7 @@ async def _respond(
         return error_response(CLIENT_GONE)
     if req.stream:
         return event_stream(
-            stream_body(run, fmt, rid, req.include_usage(), prompt_tokens, announce=first is None),
+            stream_body(run, fmt, rid, req.include_usage(), prompt_tokens),
             state.settings.sse_ping_interval,
             rid,
         )

@@ -31,17 +31,21 @@ class ChatDelta:
 @dataclass(frozen=True)
 class OutputPlan:
     """How a request's output is read: the reasoning style (None: no reasoning parser) and the tool-call parser
-    (None: tool calls are not parsed)."""
+    (None: tool calls are not parsed; ``forced_tools``: a required / named tool choice, whose answer is calls
+    only, never content)."""
 
     reasoning: ReasoningStyle | None = None
     thinking: PromptThinking = PromptThinking.NONE
     tool_parser: type[ToolParser] | None = None
     parallel_tool_calls: bool = True
+    forced_tools: bool = False
 
     def output(self) -> ChatOutput:
         """A fresh reader for one choice."""
         splitter = self.reasoning.splitter(self.thinking) if self.reasoning is not None else None
-        tools = self.tool_parser(self.parallel_tool_calls) if self.tool_parser is not None else None
+        tools = None
+        if self.tool_parser is not None:
+            tools = self.tool_parser(self.parallel_tool_calls, forced=self.forced_tools)
         return ChatOutput(splitter, tools)
 
 

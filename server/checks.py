@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request
 
-from server.protocol import APIError, retry_later
+from server.api_error import APIError, retry_later
 
 if TYPE_CHECKING:
     from dflash_core.loading import LoadedModels
-    from server.app import ServerState
+    from server.state import ServerState
     from server.worker import Worker
 
 MAX_BODY_BYTES = 8 * 1024 * 1024

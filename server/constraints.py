@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 
-from dflash_core.grammar import GrammarBackend, StructuredOutput, tool_call_structure
-from server.protocol import APIError, ChatCompletionRequest, NamedToolChoice
+from dflash_core.grammar import GrammarBackend, StructuredOutput
+from dflash_core.grammar_checks import check_schema
+from dflash_core.tool_grammar import tool_call_structure
+from server.api_error import APIError
+from server.chat_request import ChatCompletionRequest, NamedToolChoice
 
 # tools + response_format schema, as JSON: a grammar compiles in time and memory that grow with it
 MAX_SCHEMA_BYTES = 256 * 1024
@@ -39,23 +43,49 @@ def compile_structured(
 ) -> StructuredOutput:
     """``structured`` compiled ahead for the engine (400 naming the field when it does not compile)."""
     try:
-        return backend.precompile(structured)
+        return backend.precompile(structured, copies=req.n)  # one matcher per choice, copied here
     except ValueError as e:
         raise APIError(400, f"{_param(req)}: {e}", param=_param(req)) from None
 
 
+def check_schemas(req: ChatCompletionRequest) -> None:
+    """400 for a tool's parameters or the response_format schema that llguidance cannot take safely
+    (``dflash_core.grammar_checks.check_schema``: integer bounds beyond int64, schemas with no finite value)."""
+    choice = req.effective_tool_choice()
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    forced = [t for t in req.tools or [] if named in (None, t.function.name)] if req.forced_tool() else []
+    for tool in forced:
+        try:
+            check_schema(tool.function.parameters)
+        except ValueError as e:
+            raise APIError(400, f"tools: tool {tool.function.name!r}: parameters: {e}", param="tools") from None
+    fmt = req.response_format
+    if not req.forced_tool() and fmt is not None and fmt.type == "json_schema" and fmt.json_schema is not None:
+        try:
+            check_schema(fmt.json_schema.schema_)
+        except ValueError as e:
+            raise APIError(400, f"response_format: {e}", param="response_format") from None
+
+
 def structured_output(
-    req: ChatCompletionRequest, tool_style: str, start_after: list[int] | None
+    req: ChatCompletionRequest,
+    tool_style: str,
+    start_after: list[int] | None,
+    tool_options: dict[str, Any] | None = None,
 ) -> StructuredOutput | None:
-    """The request's constraint, or None (400 when its tools cannot become a grammar, or are too big)."""
+    """The request's constraint, or None (400 when its tools cannot become a grammar, or are too big).
+    ``tool_options``: more keyword arguments of a forced tool call's ``tool_call_structure`` (its thinking budget,
+    the tokenizer's marker tokens)."""
     check_schema_size(req)
+    check_schemas(req)
     structured: StructuredOutput | None = None
     choice = req.effective_tool_choice()
     if req.forced_tool():
         named = choice.function.name if isinstance(choice, NamedToolChoice) else None
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
         try:
-            structured = tool_call_structure(tools, tool_style, named, req.parallel_tool_calls is not False)  # type: ignore[arg-type]
+            parallel = req.parallel_tool_calls is not False
+            structured = tool_call_structure(tools, tool_style, named, parallel, **(tool_options or {}))  # type: ignore[arg-type]
         except ValueError as e:
             raise APIError(400, f"tools: {e}", param="tools") from None
     elif req.response_format is not None and req.response_format.type == "json_object":

@@ -15,7 +15,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from server.protocol import APIError, error_body, new_id
+from server.api_error import APIError, error_body
+from server.protocol import new_id
 
 if TYPE_CHECKING:
     from server.worker import WorkerEvent

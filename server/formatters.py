@@ -16,11 +16,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from dflash_core.stats import SpecSummary
 from server.chat_output import ChatDelta, ChatOutput, OutputPlan
-from server.protocol import ChatCompletionRequest, CompletionRequest, now_ts, usage_dict
+from server.chat_request import ChatCompletionRequest
+from server.completion_request import CompletionRequest
+from server.protocol import now_ts, usage_dict
 
 if TYPE_CHECKING:
     from dflash_core.detokenize import TokenStrings
-    from dflash_core.engine import TokenLogprob
+    from dflash_core.outputs import TokenLogprob
     from server.worker import WorkerEvent
 
 

@@ -23,7 +23,7 @@ from dflash_core.speculation import width_set
 from dflash_core.stats import mean_acceptance_length
 
 if TYPE_CHECKING:
-    from dflash_core.engine import StepOutput
+    from dflash_core.outputs import StepOutput
 
 # The 0.0.4 text format renders a ``*_created`` gauge next to every counter and histogram series; nothing
 # reads them (dashboards use rate/increase) and they double the series count, so they are off.

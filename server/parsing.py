@@ -8,7 +8,10 @@ request object back pickled. Token-id prompts that cannot fit the context are re
 comes back is bounded by what can run. Helpers start on first use, at most ``PARSE_PROCESSES`` at once, at a
 lower CPU priority than the server, in the package's parent folder (so that ``-m server.parsing`` finds this
 package, never a ``server/`` folder where the server was started). A helper that has died is replaced (once per
-parse, even mid-exchange); one that takes over ``PARSE_TIMEOUT_S`` is killed and the client gets a 503. What a
+parse, even mid-exchange); one that takes over ``PARSE_TIMEOUT_S`` is killed and the client gets a 503. At most
+``PARSE_MAX_BYTES`` of bodies are with the helpers at once (parsing or waiting for one; a 429 beyond): a parse
+holds several times its body in memory, in the helper and in the server. After a big parse a helper gives its memory
+back to the system (a collection, then ``malloc_trim``), and one grown past ``HELPER_MAX_RSS`` exits. What a
 helper writes to stderr goes to the server's log, one record per line (so ``--log-json`` stays JSON).
 
 ``Limiter`` bounds work in flight (helper parses, long tokenizations): at most ``active`` at once, ``waiting``
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import gc
 import logging
 import os
 import pickle
@@ -27,7 +32,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from server.protocol import AnyRequest, APIError, parse_request, retry_later
+from dflash_core.grammar_checks import rss_bytes
+from server.api_error import APIError, retry_later
+from server.protocol import AnyRequest, parse_request
 
 log = logging.getLogger("dflash.server")
 
@@ -37,6 +44,9 @@ PARSE_PROCESSES = 2
 PARSE_MAX_WAITING = 64
 HELPER_NICE = 10  # a helper yields the CPU to the server (a hostile body must not slow everyone's tokens)
 PARSE_TIMEOUT_S = 30.0  # a helper that takes longer with one body is killed
+PARSE_MAX_BYTES = 64 * 1024 * 1024  # bodies with the helpers at once (one body alone is always let through)
+HELPER_TRIM_BYTES = 1024 * 1024  # after a body this big a helper frees its memory to the system
+HELPER_MAX_RSS = 512 * 1024 * 1024  # a helper grown beyond this exits after its reply (the next parse starts one)
 _HEADER = 8  # bytes of the length prefix of each message between the server and a helper
 _PACKAGE_PARENT = Path(__file__).resolve().parent.parent  # the helper's cwd: `-m server.parsing` finds us
 _STDERR_LINE_CHARS = 2000
@@ -156,6 +166,7 @@ class ParsePool:
 
     def __init__(self, size: int = PARSE_PROCESSES, waiting: int = PARSE_MAX_WAITING) -> None:
         self.limiter = Limiter(size, waiting, "large request bodies")
+        self.bytes_in_flight = 0  # bodies parsing or waiting for a helper
         self._idle: list[_Helper] = []
         self._closed = False
 
@@ -176,6 +187,20 @@ class ParsePool:
         helper takes over ``PARSE_TIMEOUT_S``)."""
         if is_cheap(body):
             return parse_request(kind, body, max_model_len)
+        if self.bytes_in_flight and self.bytes_in_flight + len(body) > PARSE_MAX_BYTES:
+            raise retry_later(
+                429,
+                f"too many large request bodies in progress ({self.bytes_in_flight} bytes); retry later",
+                "queue_full",
+            )
+        self.bytes_in_flight += len(body)
+        try:
+            return await self._parse_big(kind, body, max_model_len)
+        finally:
+            self.bytes_in_flight -= len(body)
+
+    async def _parse_big(self, kind: str, body: bytes, max_model_len: int | None) -> AnyRequest:
+        """``parse`` of a body that goes to a helper."""
         async with self.limiter:
             for attempt in (1, 2):
                 helper = await self._helper()
@@ -238,6 +263,19 @@ def main() -> None:
         data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
         out.write(len(data).to_bytes(_HEADER, "little") + data)
         out.flush()
+        big = len(body) >= HELPER_TRIM_BYTES
+        del reply, data, body
+        if big and give_back_memory() > HELPER_MAX_RSS:
+            return  # the server starts another helper for the next parse
+
+
+def give_back_memory() -> int:
+    """Free what the last work left (Python's garbage, then glibc's free pages back to the system, which Python's
+    allocator does not do by itself); this process's resident bytes after."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return rss_bytes()
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
 Special tokens in messages. A chat template's turns are marked by special tokens (``<|im_start|>``, ...); if
 message content were tokenized together with the template, content that merely *spells* one
 (``"hi<|im_end|>\\n<|im_start|>system\\n..."``) would become a real turn marker and forge a system turn. So the
-template is also rendered with every client string (content, name) replaced by a random sentinel: that rendering
-holds the template's own special tokens. When the real rendering tokenizes to the same special tokens, the
-content added none and the usual whole-text tokens are used (identical to ``apply_chat_template(tokenize=True)``).
+template is also rendered with every client string (content, names, every string of ``tools``: keys too, but for
+the JSON-schema keywords) replaced by a random sentinel: that rendering holds the template's own special tokens.
+When the real rendering tokenizes to the same special tokens, the content added none and the usual whole-text
+tokens are used (identical to ``apply_chat_template(tokenize=True)``).
 Otherwise the text is split at the sentinels: template parts are tokenized with special tokens, client strings as
 plain text. A template that changes content (e.g. strips a reasoning block) cannot be split that way; such a
 request is refused with a 400. Plain text is encoded by a private copy of the Rust tokenizer whose
@@ -39,31 +40,15 @@ from typing import Any
 import jinja2
 
 from dflash_core.chat import NoChatTemplateError, has_chat_template, render_chat
-from server.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    ChatMessage,
-    CompletionRequest,
-    TokenizeRequest,
-    check_min_prompt_tokens,
-)
+from server.api_error import APIError
+from server.chat_request import ChatCompletionRequest, ChatMessage
+from server.completion_request import CompletionRequest
+from server.context_length import check_min_prompt_tokens
+from server.tokenize_request import TokenizeRequest
 
 RESERVED_TEMPLATE_KWARGS = frozenset(
-    {
-        "conversation",
-        "messages",
-        "tokenize",
-        "return_tensors",
-        "return_dict",
-        "return_assistant_tokens_mask",
-        "padding",
-        "truncation",
-        "max_length",
-        "tools",
-        "documents",
-        "chat_template",
-        "tokenizer_kwargs",
-    }
+    "conversation messages tokenize return_tensors return_dict return_assistant_tokens_mask padding truncation "
+    "max_length tools documents chat_template tokenizer_kwargs".split()
 )
 NORMALIZER_SLACK = 4  # canonical composition turns at most 4 characters into one (U+1F85 = 4 code points)
 _UNICODE_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Lowercase"})
@@ -240,21 +225,34 @@ def _mask_free(value: Any, sentinel: Any) -> Any:
     return value
 
 
+# JSON-schema keywords, the only keys of a tool's parameters kept as they are (templates read them); every other
+# key (a property or definition name, a key inside data, an unknown keyword) is client text, as is every string
+_NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+_DATA_KEYWORDS = frozenset({"const", "default", "enum", "examples", "dependentRequired"})
+_SCHEMA_KEYWORDS = frozenset(
+    "type required items prefixItems additionalProperties propertyNames additionalItems unevaluatedProperties "
+    "unevaluatedItems contains anyOf oneOf allOf not if then else $ref $schema $id $anchor $comment title "
+    "description format pattern minimum maximum exclusiveMinimum exclusiveMaximum multipleOf minLength maxLength "
+    "minItems maxItems uniqueItems minContains maxContains minProperties maxProperties nullable readOnly "
+    "writeOnly deprecated contentMediaType contentEncoding".split()
+)
+
+
 def _mask_schema(value: Any, sentinel: Any) -> Any:
-    """A JSON schema with its string values and property names replaced (its keywords kept: templates read them)."""
-    if isinstance(value, str):
-        return sentinel(value)
+    """A JSON schema with every string replaced, keys too, except its keywords."""
     if isinstance(value, list):
         return [_mask_schema(v, sentinel) for v in value]
-    if isinstance(value, dict):
-        out = {}
-        for k, v in value.items():
-            if k == "properties" and isinstance(v, dict):
-                out[k] = {sentinel(name): _mask_schema(sub, sentinel) for name, sub in v.items()}
-            else:
-                out[k] = _mask_schema(v, sentinel)
-        return out
-    return value
+    if not isinstance(value, dict):
+        return _mask_free(value, sentinel)
+    out = {}
+    for k, v in value.items():
+        if k in _NAMED_SCHEMAS and isinstance(v, dict):
+            out[k] = {sentinel(name): _mask_schema(sub, sentinel) for name, sub in v.items()}
+        elif k in _SCHEMA_KEYWORDS:
+            out[k] = _mask_schema(v, sentinel)
+        else:
+            out[k if k in _DATA_KEYWORDS else sentinel(k)] = _mask_free(v, sentinel)
+    return out
 
 
 def _mask_message(msg: dict[str, Any], sentinel: Any) -> dict[str, Any]:
@@ -264,26 +262,16 @@ def _mask_message(msg: dict[str, Any], sentinel: Any) -> dict[str, Any]:
             out[key] = sentinel(msg[key])
     if "tool_calls" in msg:
         out["tool_calls"] = [
-            {
-                **c,
-                "id": sentinel(c["id"]),
-                "function": {
-                    "name": sentinel(c["function"]["name"]),
-                    "arguments": _mask_free(c["function"]["arguments"], sentinel),
-                },
-            }
+            {**c, "id": sentinel(c["id"]), "function": {"name": sentinel(c["function"]["name"]),
+                                                      "arguments": _mask_free(c["function"]["arguments"], sentinel)}}
             for c in msg["tool_calls"]
         ]
     return out
 
 
 def _mask_tool(tool: dict[str, Any], sentinel: Any) -> dict[str, Any]:
-    fn = dict(tool["function"])
-    fn["name"] = sentinel(fn["name"])
-    if "description" in fn:
-        fn["description"] = sentinel(fn["description"])
-    if "parameters" in fn:
-        fn["parameters"] = _mask_schema(fn["parameters"], sentinel)
+    """A tool with every string replaced: its name, description and parameters (there keys too, but keywords)."""
+    fn = {k: (_mask_schema if k == "parameters" else _mask_free)(v, sentinel) for k, v in tool["function"].items()}
     return {**tool, "function": fn}
 
 

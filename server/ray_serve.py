@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING, Any, NoReturn
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import dflash_core  # noqa: E402,F401  # sets OMP_WAIT_POLICY=PASSIVE before torch loads (see its docstring)
+from server.api_error import RETRY_AFTER_S  # noqa: E402
 from server.logs import setup_logging  # noqa: E402
-from server.protocol import RETRY_AFTER_S  # noqa: E402
 from server.settings import Settings, UsageError, build_parser, resolve_settings  # noqa: E402
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from server.app import ServerState
+    from server.state import ServerState
 
 log = logging.getLogger("dflash.ray")
 

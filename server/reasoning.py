@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import ClassVar
 
-THINK_START = "<think>"
-THINK_END = "</think>"
+from dflash_core.tool_grammar import THINK_END, THINK_START
 
 
 class PromptThinking(Enum):

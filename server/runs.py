@@ -19,9 +19,12 @@ from starlette.concurrency import run_in_threadpool
 
 from dflash_core.grammar import StructuredOutput
 from dflash_core.sampling import SamplingParams
+from server.api_error import APIError, retry_later
+from server.chat_request import ChatCompletionRequest
+from server.completion_request import CompletionRequest
+from server.context_length import resolve_max_tokens
 from server.generation_config import GenerationDefaults
 from server.parsing import Limiter
-from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, resolve_max_tokens, retry_later
 from server.worker import QueueFullError, RequestHandle, Worker, WorkerEvent
 
 log = logging.getLogger("dflash.server")

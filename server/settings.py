@@ -98,6 +98,11 @@ class Settings(EngineConfig):
     enable_auto_tool_choice: bool = _setting(
         False, "let the model decide to call tools (tool_choice auto); needs --tool-call-parser"
     )
+    grammar_compile_timeout: float = _setting(
+        30.0,
+        "seconds a request's grammar (response_format, forced tool calls) may take to compile in a helper process "
+        "before the request gets a 400",
+    )
     allowed_origins: str | None = _setting(
         None, "CORS: origins allowed to call the API from a browser, a JSON list such as '[\"*\"]' (default: none)"
     )
@@ -132,6 +137,7 @@ class Settings(EngineConfig):
             ("keep_alive_timeout", self.keep_alive_timeout),
             ("header_timeout", self.header_timeout),
             ("sse_ping_interval", self.sse_ping_interval),
+            ("grammar_compile_timeout", self.grammar_compile_timeout),
         ):
             if value <= 0:
                 raise ValueError(f"{name} must be > 0")

@@ -1,9 +1,10 @@
 """Server-sent events: the response class, keep-alive pings, the first-event wait and the body of a stream.
 
-Streams send their headers and a ``: ping`` comment at once (after ``STREAM_HEADERS_GRACE_S`` at most, during
-which an early failure is still a plain HTTP error), then one ``data:`` event per engine step, a comment every
-``sse_ping_interval`` seconds (sent whether or not data flows, so that idle-timeout proxies keep a queued or
-prefilling stream), and ``data: [DONE]``. Errors after the headers are an error event followed by ``data: [DONE]``.
+Every stream sends its headers and a ``: ping`` comment first, always: as soon as the first event is there, or
+after ``STREAM_HEADERS_GRACE_S`` at most (during which an early failure is still a plain HTTP error), whichever
+comes first. Then one ``data:`` event per engine step, a comment every ``sse_ping_interval`` seconds (sent whether
+or not data flows, so that idle-timeout proxies keep a queued or prefilling stream), and ``data: [DONE]``. Errors
+after the headers are an error event followed by ``data: [DONE]``.
 A client that stops reading is dropped, and its requests aborted, once a send has waited ``SSE_SEND_TIMEOUT_S``.
 """
 
@@ -27,7 +28,7 @@ from server.worker import WorkerEvent
 log = logging.getLogger("dflash.server")
 
 SSE_SEND_TIMEOUT_S = 60.0  # a stream whose client has not taken a chunk for this long is aborted
-STREAM_HEADERS_GRACE_S = 0.1  # a stream waits this long for its first event before it sends its headers
+STREAM_HEADERS_GRACE_S = 0.1  # a stream waits this long at most for its first event before it sends its headers
 PING = b": ping\n\n"
 
 
@@ -82,13 +83,12 @@ def event_stream(body: AsyncIterator[bytes], ping_s: float, rid: str) -> EventSo
 
 
 async def stream_body(
-    run: Run, fmt: ResponseFormatter, rid: str, include_usage: bool, prompt_tokens: int, announce: bool
+    run: Run, fmt: ResponseFormatter, rid: str, include_usage: bool, prompt_tokens: int
 ) -> AsyncIterator[bytes]:
-    """The SSE body: ``announce`` sends a comment first (headers and first bytes now, while queued)."""
+    """The SSE body: a ``: ping`` comment first (headers and first bytes at once, even while queued), the events."""
     choices: dict[int, Choice] = {h.index: fmt.new_choice() for h in run.handles}
     try:
-        if announce:
-            yield PING
+        yield PING
         failed = False
         while run.open:
             ev = await run.next()

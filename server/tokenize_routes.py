@@ -15,13 +15,15 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
+from server.api_error import APIError
 from server.checks import check_auth, check_content_type, check_model, check_ready, read_body
 from server.parsing import is_cheap
-from server.protocol import APIError, DetokenizeRequest, TokenizeRequest, body_schema
+from server.protocol import body_schema
 from server.runs import prepare
+from server.tokenize_request import DetokenizeRequest, TokenizeRequest
 
 if TYPE_CHECKING:
-    from server.app import ServerState
+    from server.state import ServerState
 
 
 async def _parse(state: ServerState, request: Request, kind: str) -> tuple[Any, bytes]:

@@ -11,7 +11,12 @@ arguments are the JSON text of the object the model wrote (a string value is unw
 stream join into the ``arguments`` of the whole response. A marker split across engine steps is held back until
 it is complete. A whole response is parsed by feeding its text at once (``parse``), so both agree; when a call
 does not parse as JSON with a name, the whole text is content in a whole response (as vLLM does), while a stream
-has sent its name already and ends that call.
+has sent its name already and ends that call. A call whose object is complete is a call even when the output
+ends inside its end marker.
+
+A forced parser (``required`` or a named ``tool_choice``, whose grammar allows calls only) reads calls and never
+content, and a call cut by the end of the output (``max_tokens``) is kept as it was streamed: its name and the
+arguments written so far, as OpenAI returns a call cut by ``finish_reason: "length"``.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from server.json_scan import InvalidCall, ObjectScanner, Scan, json_or_none, scan_object
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -80,126 +87,6 @@ class ToolDelta:
 # --- a scanner of one JSON object as it grows ---------------------------------------------------------------
 
 
-class InvalidCall(ValueError):
-    """The text is not a JSON object."""
-
-
-_WS = " \t\r\n"
-_SCALAR_END = ",}] \t\r\n"
-
-
-@dataclass
-class _Scan:
-    """The keys of a top-level object seen so far: key -> (value start, value end or None)."""
-
-    fields: dict[str, tuple[int, int | None]]
-    end: int | None  # index after the closing brace, None while incomplete
-
-
-class ObjectScanner:
-    """A resumable scanner of one (possibly incomplete) JSON object at the start of a growing text.
-
-    Each `scan` continues where the last one stopped (position, nesting depth, inside a string, after a
-    backslash), so a call's text streamed in n pieces costs O(total length), not O(n * length). The text given
-    to `scan` must extend the text given before. Lenient as the parser needs: values are delimited, not validated.
-    """
-
-    def __init__(self) -> None:
-        self.fields: dict[str, tuple[int, int | None]] = {}
-        self.end: int | None = None
-        self._pos = 0
-        self._state = "start"  # start, key_or_end, key, colon, value, string, nested, scalar, done
-        self._token_start = 0  # the current key's or value's first character
-        self._key = ""
-        self._depth = 0
-        self._in_string = False
-        self._escape = False
-
-    def scan(self, text: str) -> _Scan:
-        """The object's keys and end so far (InvalidCall when the text is not a JSON object)."""
-        if self._state == "invalid":
-            raise InvalidCall("not a JSON object")
-        i, n = self._pos, len(text)
-        state = self._state
-        while i < n and state != "done":
-            c = text[i]
-            if state in ("string", "key", "nested") and (self._escape or self._in_string or state != "nested"):
-                # inside a string: of a key, of a string value, or of a string within a nested value
-                if self._escape:
-                    self._escape = False
-                elif c == "\\":
-                    self._escape = True
-                elif c == '"':
-                    if state == "key":
-                        key = _json_or_none(text[self._token_start : i + 1])
-                        if not isinstance(key, str):
-                            raise self._invalid("a key must be a string")
-                        self._key, state = key, "colon"
-                    elif state == "string":
-                        self.fields[self._key] = (self._token_start, i + 1)
-                        state = "key_or_end"
-                    else:
-                        self._in_string = False
-                i += 1
-            elif state == "nested":
-                if c == '"':
-                    self._in_string = True
-                elif c in "{[":
-                    self._depth += 1
-                elif c in "}]":
-                    self._depth -= 1
-                    if self._depth == 0:
-                        self.fields[self._key] = (self._token_start, i + 1)
-                        state = "key_or_end"
-                i += 1
-            elif state == "scalar":
-                if c in _SCALAR_END:
-                    self.fields[self._key] = (self._token_start, i)
-                    state = "key_or_end"  # the terminator is read again there
-                else:
-                    i += 1
-            elif c in _WS:
-                i += 1
-            elif state == "start":
-                if c != "{":
-                    raise self._invalid("not a JSON object")
-                state, i = "key_or_end", i + 1
-            elif state == "key_or_end":
-                if c == "}":
-                    self.end, state = i + 1, "done"
-                elif c == '"':
-                    self._token_start, state = i, "key"
-                elif c != ",":
-                    raise self._invalid("a key must be a string")
-                i += 1
-            elif state == "colon":
-                if c != ":":
-                    raise self._invalid("':' expected after a key")
-                state, i = "value", i + 1
-            else:  # value: its first character
-                self._token_start = i
-                self.fields[self._key] = (i, None)
-                if c == '"':
-                    state = "string"
-                elif c in "{[":
-                    state, self._depth, self._in_string = "nested", 1, False
-                else:
-                    state = "scalar"
-                    continue  # a one-character scalar may end here: read it again as a scalar
-                i += 1
-        self._pos, self._state = i, state
-        return _Scan(self.fields, self.end)
-
-    def _invalid(self, why: str) -> InvalidCall:
-        self._state = "invalid"
-        return InvalidCall(why)
-
-
-def scan_object(text: str) -> _Scan:
-    """Scan the (possibly incomplete) JSON object at the start of ``text`` (InvalidCall when it is not one)."""
-    return ObjectScanner().scan(text)
-
-
 class _CallState:
     """One call as its text grows: the deltas not yet sent, and the call once its object is complete."""
 
@@ -209,13 +96,14 @@ class _CallState:
         self.id = new_call_id()
         self.name: str | None = None
         self.sent_args = 0  # characters of streamed (raw object) arguments sent
+        self.sent_text = ""  # those characters
         self.invalid = False
         self._scanner = ObjectScanner()  # over the growing text that `update` is given
 
-    def _args_extent(self, scan: _Scan) -> tuple[int, int | None] | None:
+    def _args_extent(self, scan: Scan) -> tuple[int, int | None] | None:
         return next((scan.fields[k] for k in self.arg_keys if k in scan.fields), None)
 
-    def scan(self, text: str) -> _Scan | None:
+    def scan(self, text: str) -> Scan | None:
         """The call's object so far (``text`` extends the text of the last call); None once it is not an object."""
         if self.invalid:
             return None
@@ -235,7 +123,7 @@ class _CallState:
             span = scan.fields.get("name")
             if span is None or span[1] is None:
                 return out
-            name = _json_or_none(text[span[0] : span[1]])
+            name = json_or_none(text[span[0] : span[1]])
             if not isinstance(name, str) or not name:
                 self.invalid = True
                 return out
@@ -246,8 +134,9 @@ class _CallState:
             start, end = extent
             stop = len(text) if end is None else end
             if stop - start > self.sent_args:  # sliced from the text: no copy of what was sent
-                out.append(ToolCallDelta(self.index, arguments=text[start + self.sent_args : stop]))
-                self.sent_args = stop - start
+                fragment = text[start + self.sent_args : stop]
+                out.append(ToolCallDelta(self.index, arguments=fragment))
+                self.sent_args, self.sent_text = stop - start, self.sent_text + fragment
         return out
 
     def complete(self, text: str) -> tuple[ToolCall | None, list[ToolCallDelta]]:
@@ -271,16 +160,12 @@ class _CallState:
             arguments = value if value.startswith("{") else _unwrap(json.loads(value))
         if len(arguments) > self.sent_args and arguments.startswith(arguments[: self.sent_args]):
             out.append(ToolCallDelta(self.index, arguments=arguments[self.sent_args :]))
-            self.sent_args = len(arguments)
+            self.sent_args, self.sent_text = len(arguments), arguments
         return ToolCall(self.id, self.name, arguments), out
 
-
-def _json_or_none(text: str) -> Any:
-    """The JSON value of ``text``, or None when it is not JSON."""
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
+    def partial(self) -> ToolCall | None:
+        """The call as streamed so far (None before its name): a call cut by the end of the output."""
+        return None if self.name is None else ToolCall(self.id, self.name, self.sent_text)
 
 
 def _unwrap(value: Any) -> str:
@@ -304,23 +189,38 @@ class ToolParser(ABC):
 
     name: ClassVar[str]
 
-    def __init__(self, parallel: bool = True) -> None:
+    def __init__(self, parallel: bool = True, forced: bool = False) -> None:
         self.parallel = parallel
+        self.forced = forced  # calls only (see the module docstring)
         self.calls: list[ToolCall] = []
         self.invalid = False  # a call did not parse
 
     @abstractmethod
-    def feed(self, text: str) -> ToolDelta:
+    def _feed(self, text: str) -> ToolDelta:
         """Content and call deltas of the next piece of text."""
 
     @abstractmethod
-    def finish(self) -> ToolDelta:
+    def _finish(self) -> ToolDelta:
         """What is still held at the end of the output (an unclosed call is parsed as it is)."""
 
+    def feed(self, text: str) -> ToolDelta:
+        """Content and call deltas of the next piece of text."""
+        return self._calls_only(self._feed(text))
+
+    def finish(self) -> ToolDelta:
+        """What is still held at the end of the output (an unclosed call is parsed as it is)."""
+        return self._calls_only(self._finish())
+
+    def _calls_only(self, out: ToolDelta) -> ToolDelta:
+        """``out`` without content when forced: its grammar allows at most whitespace beside the calls."""
+        if self.forced:
+            out.content = ""
+        return out
+
     def parse(self, text: str) -> ToolDelta:
-        """A whole output: content and calls (all content when a call does not parse)."""
+        """A whole output: content and calls (all content when a call does not parse, unless forced)."""
         out = self.feed(text) + self.finish()
-        if self.invalid:
+        if self.invalid and not self.forced:
             self.calls = []
             return ToolDelta(content=text)
         return out
@@ -330,9 +230,18 @@ class ToolParser(ABC):
         return self.parallel or not self.calls
 
     def _close_call(self, state: _CallState, text: str, out: ToolDelta) -> None:
-        """Parse an open call from its remaining text at the end of the output: its last deltas into `out`."""
+        """Parse an open call from its remaining text at the end of the output: its last deltas into `out`. A
+        complete object is the call (the output may end inside the end marker); a cut one is kept as streamed
+        when forced."""
         keep = self._keep()
-        call, deltas = state.complete(text.strip())
+        text = text.strip()
+        try:
+            end = scan_object(text).end
+        except InvalidCall:
+            end = None
+        call, deltas = state.complete(text if end is None else text[:end])
+        if call is None and self.forced:
+            call = state.partial()
         out.calls.extend(deltas if keep else [])
         if keep:
             self._accept(call)
@@ -350,14 +259,14 @@ class HermesParser(ToolParser):
 
     name = "hermes"
 
-    def __init__(self, parallel: bool = True) -> None:
-        super().__init__(parallel)
+    def __init__(self, parallel: bool = True, forced: bool = False) -> None:
+        super().__init__(parallel, forced)
         self._buf = ""
         self._call: _CallState | None = None
         self._seen_call = False
         self._searched = 0  # where in the open call's text the end marker can first be
 
-    def feed(self, text: str) -> ToolDelta:
+    def _feed(self, text: str) -> ToolDelta:
         self._buf += text
         out = ToolDelta()
         while True:
@@ -391,7 +300,7 @@ class HermesParser(ToolParser):
             self._buf = self._buf[j + len(TOOL_CALL_END) :]
             self._call = None
 
-    def finish(self) -> ToolDelta:
+    def _finish(self) -> ToolDelta:
         out = ToolDelta()
         if self._call is not None:  # an unclosed call (the model stopped after its object)
             self._close_call(self._call, self._buf, out)
@@ -407,13 +316,13 @@ class Llama3JsonParser(ToolParser):
 
     name = "llama3_json"
 
-    def __init__(self, parallel: bool = True) -> None:
-        super().__init__(parallel)
+    def __init__(self, parallel: bool = True, forced: bool = False) -> None:
+        super().__init__(parallel, forced)
         self._buf = ""
         self._mode: str | None = None  # None: undecided; "content"; "calls"
         self._call: _CallState | None = None
 
-    def feed(self, text: str) -> ToolDelta:
+    def _feed(self, text: str) -> ToolDelta:
         self._buf += text
         out = ToolDelta()
         if self._mode is None:
@@ -456,7 +365,7 @@ class Llama3JsonParser(ToolParser):
             self._buf = self._buf[end:]
             self._call = None
 
-    def finish(self) -> ToolDelta:
+    def _finish(self) -> ToolDelta:
         out = ToolDelta()
         if self._mode is None:
             out.content = self._buf

@@ -24,8 +24,8 @@ from dflash_core.detokenize import OutputText
 from dflash_core.stats import SpecSummary
 
 if TYPE_CHECKING:
-    from dflash_core.engine import StepOutput, TokenLogprob
     from dflash_core.grammar import GrammarBackend
+    from dflash_core.outputs import StepOutput, TokenLogprob
     from dflash_core.sampling import SamplingParams
     from dflash_core.stats import RequestStats
     from server.metrics import ServerMetrics

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_core.engine import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, StepOutput
 from dflash_core.grammar import GrammarBackend
+from dflash_core.outputs import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, StepOutput
 from dflash_core.sampling import SamplingParams
 from dflash_core.stats import RequestStats
 

@@ -13,6 +13,7 @@ different prompts differ.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -116,6 +117,53 @@ def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> int:
             proc.kill()
             proc.wait(timeout=10)
     return int(proc.returncode)
+
+
+@dataclass
+class StreamStart:
+    """The start of an HTTP/1.1 response read off a raw socket: status, headers, and the first body chunk."""
+
+    status: int
+    headers: dict[str, str]
+    first_chunk: bytes
+    seconds: float  # from sending the request to having the first chunk
+
+
+def read_stream_start(
+    port: int, path: str, body: dict[str, Any], headers: dict[str, str] | None = None, timeout_s: float = 60.0
+) -> StreamStart:
+    """POST ``body`` as JSON to 127.0.0.1:``port`` over a raw socket and read the response up to its first body
+    chunk (chunked transfer encoding: exactly the bytes of the server's first send), then close the connection."""
+    payload = json.dumps(body).encode()
+    lines = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json",
+             f"Content-Length: {len(payload)}", *(f"{k}: {v}" for k, v in (headers or {}).items())]
+    request = ("\r\n".join(lines) + "\r\n\r\n").encode() + payload
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+        t0 = time.monotonic()
+        sock.sendall(request)
+        buf = b""
+
+        def more() -> None:
+            nonlocal buf
+            piece = sock.recv(65536)
+            if not piece:
+                raise ConnectionError(f"the server closed the connection; got {buf!r}")
+            buf += piece
+
+        while b"\r\n\r\n" not in buf:
+            more()
+        head, buf = buf.split(b"\r\n\r\n", 1)
+        status_line, *header_lines = head.decode("latin-1").split("\r\n")
+        parsed = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in header_lines)}
+        if parsed.get("transfer-encoding") != "chunked":
+            raise AssertionError(f"not a chunked response: {status_line} {parsed}")
+        while b"\r\n" not in buf:
+            more()
+        size_line, buf = buf.split(b"\r\n", 1)
+        size = int(size_line.split(b";")[0], 16)
+        while len(buf) < size:
+            more()
+        return StreamStart(int(status_line.split()[1]), parsed, buf[:size], time.monotonic() - t0)
 
 
 @dataclass

@@ -17,8 +17,9 @@ from fastapi import FastAPI
 
 import server.streaming as server_streaming
 from dflash_core.loading import LoadedModels
-from server.app import ServerState, create_app
+from server.app import create_app
 from server.settings import Settings
+from server.state import ServerState
 from tests.fake_engine import Fail, FakeEngine, Script, demo_tokenizer, wait_until
 
 T = TypeVar("T")

@@ -1,17 +1,25 @@
 """The static, compiled decode step (inductor on CPU) gives the eager forward's outputs: the native target's verify
-step and the batched drafter's proposal, at two batch buckets and two widths.
+step and the batched drafter's proposal, at two batch buckets and two widths, over every key bucket.
+
+What inductor made of it is checked too: its generated code allocates no buffer the size of a cache layer (cache
+writes are in place: one tensor per layer, written by `index_put_`), and after warm-up no step compiles anything
+(batch, width and key length are dynamic dimensions), while the contexts grow across every key bucket.
 
 Kept small for the suite's time: a 1-layer target and draft, batch buckets (2, 4) x two widths, so inductor
-compiles one graph per step function (batch, width and key length are dynamic dimensions; each bucket is still its
-own shape, and on CUDA its own graph).
+compiles one graph per step function (each bucket is still its own shape, and on CUDA its own graph).
 """
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 import torch
+from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
 
-from dflash_core.compile import StaticShapes, default_batch_sizes, kv_bucket, parse_sizes
+from dflash_core.compile import StaticShapes, default_batch_sizes, key_buckets, kv_bucket, parse_sizes
 from dflash_core.config import DraftConfig
 from dflash_core.draft import DFlashDraft
 from dflash_core.runners.base import DraftRequest
@@ -21,6 +29,7 @@ from tests.helpers import make_target
 
 BUCKETS = dict(batch_sizes=(2, 4), widths=(2, 4))
 ALL_BUCKETS = {(2, 2), (2, 4), (4, 2), (4, 4)}
+MAX_LEN = 600  # key buckets 256, 512 and 600 (the cap: max_len)
 
 
 @pytest.fixture(scope="module")
@@ -37,27 +46,58 @@ def draft():
     return DFlashDraft(cfg).eval()
 
 
+def _graphs() -> int:
+    """Graphs dynamo has compiled so far in this process."""
+    return counters["stats"]["unique_graphs"]
+
+
+def _cache_sized(code: list[str], layer: torch.Tensor) -> list[str]:
+    """The shapes of the buffers inductor's generated code allocates with as many elements as a cache layer or
+    more (a copy of the cache; step-sized buffers have symbolic dimensions or fewer elements)."""
+    big = []
+    for shape in re.findall(r"empty_strided_\w+\(\(([^)]*)\)", "\n".join(code)):
+        dims = [d.strip() for d in shape.split(",") if d.strip()]
+        if all(d.isdigit() for d in dims) and math.prod(int(d) for d in dims) >= layer.numel():
+            big.append(shape)
+    return big
+
+
+def _warm_up(runner: NativeTarget | DFlashDrafter, layer: torch.Tensor) -> None:
+    """Warm-up compiles the step; its generated code copies no cache layer."""
+    _, code = run_and_get_code(runner.warm_up)
+    assert code, "warm-up compiled nothing"
+    assert _cache_sized(code, layer) == [], "the compiled step copies a cache-sized buffer"
+
+
 def _verify_steps(runner: NativeTarget) -> list:
     """Prefill three slots, then verify steps of 2 and 3 rows (buckets 2 and 4) at widths 2 and 3 (2 and 4), each
-    followed by a rollback, as the engine does."""
+    followed by a rollback, as the engine does; twice more after a prefill takes the contexts past 256 keys, then
+    past 512 (every key bucket)."""
     g = torch.Generator().manual_seed(0)
     caches = [runner.new_cache(i) for i in range(3)]
     outs = []
-    for c, n in zip(caches, (20, 7, 33)):
-        runner.forward(torch.randint(4, 380, (n,), generator=g).tolist(), 0, c, features=True, last_only=True)
-    for rows_n, width in [(2, 2), (3, 3), (2, 3), (3, 2), (3, 3)]:
-        rows = [(torch.randint(4, 380, (width,), generator=g).tolist(), c.length, c) for c in caches[:rows_n]]
-        outs.append(runner.forward_batch(rows, features=True))
-        for c in caches[:rows_n]:
-            runner.crop(c, c.length - 1)  # the last token rejected
+    for extend in ((20, 7, 33), (250, 270, 240), (260, 240, 290)):
+        for c, n in zip(caches, extend):
+            runner.forward(torch.randint(4, 380, (n,), generator=g).tolist(), c.length, c, features=True,
+                           last_only=True)
+        for rows_n, width in [(2, 2), (3, 3), (2, 3), (3, 2), (3, 3)]:
+            rows = [(torch.randint(4, 380, (width,), generator=g).tolist(), c.length, c) for c in caches[:rows_n]]
+            outs.append(runner.forward_batch(rows, features=True))
+            for c in caches[:rows_n]:
+                runner.crop(c, c.length - 1)  # the last token rejected
+    assert max(c.length for c in caches) > 512
     return outs
 
 
 def test_verify_compiled_equals_eager(model):
-    eager = _verify_steps(NativeTarget(model, [0], max_slots=4, max_len=300))
+    eager = _verify_steps(NativeTarget(model, [0], max_slots=4, max_len=MAX_LEN))
     shapes = StaticShapes(**BUCKETS, compiled=True)
-    compiled = _verify_steps(NativeTarget(model, [0], max_slots=4, max_len=300, static=shapes))
-    assert set(shapes.calls) == ALL_BUCKETS  # every step ran the compiled static step
+    runner = NativeTarget(model, [0], max_slots=4, max_len=MAX_LEN, static=shapes)
+    _warm_up(runner, runner.k_cache[0])
+    graphs = _graphs()
+    compiled = _verify_steps(runner)
+    assert _graphs() == graphs  # nothing compiled after warm-up, at any key bucket
+    assert set(shapes.calls) == ALL_BUCKETS and sum(shapes.calls.values()) == 15  # every step ran the static step
     for e_step, c_step in zip(eager, compiled, strict=True):
         for e, c in zip(e_step, c_step, strict=True):
             assert c.logits.shape == e.logits.shape and c.features.shape == e.features.shape
@@ -66,26 +106,39 @@ def test_verify_compiled_equals_eager(model):
             torch.testing.assert_close(c.features, e.features, rtol=1e-5, atol=1e-5)
 
 
+# (requests, tokens proposed, context rows accepted after it): 2 or 3 rows a step (context bucket 4), proposing 3
+# or 7 tokens (block widths 4 and 8) for 2 and 3 requests (batch buckets 2 and 4); 250 or 260 rows take the
+# contexts to the next key bucket (more rows than a context bucket: the proposal after them runs eagerly).
+_DRAFT_STEPS = [(3, 3, 2), (2, 7, 3), (3, 7, 250), (3, 3, 2), (2, 3, 260), (3, 7, 2), (2, 3, 2), (3, 3, 2)]
+
+
 def _proposals(model, draft, static: StaticShapes | None) -> list:
-    """A batched drafter fed the same features: the prompts' (eager: longer than the context buckets), then 2 or 3
-    accepted rows a step (context bucket 4), proposing 3 or 7 tokens (block widths 4 and 8) for 2 and 3 requests
-    (batch buckets 2 and 4). Widths above 2 and contexts above 1 row: a block of 2 (one proposal) or a context of
+    """A batched drafter fed the same features: the prompts' (eager: longer than the context buckets), then the
+    steps of `_DRAFT_STEPS`. Widths above 2 and contexts above 1 row: a block of 2 (one proposal) or a context of
     1 row would be one more graph to compile (dimensions of 1 are specialised), and the suite's time counts."""
-    target = NativeTarget(model, [0], max_slots=4, max_len=300)
-    drafter = DFlashDrafter(draft, target, block_size=8, max_slots=4, max_len=300, static=static)
+    target = NativeTarget(model, [0], max_slots=4, max_len=MAX_LEN)
+    drafter = DFlashDrafter(draft, target, block_size=8, max_slots=4, max_len=MAX_LEN, static=static)
+    graphs = None
+    if static is not None:
+        assert drafter.slots is not None
+        _warm_up(drafter, drafter.slots.k[0])
+        graphs = _graphs()
     g = torch.Generator().manual_seed(1)
-    feats = torch.randn(3, 200, 64, generator=g)
+    feats = torch.randn(3, MAX_LEN, 64, generator=g)
     states = [drafter.new_state(i, []) for i in range(3)]
     pos = [20, 9, 31]
     for st, p in zip(states, pos):
         drafter.extend_context(st, feats[0, :p])
     outs = []
-    for step, (rows_n, n, accepted) in enumerate([(3, 3, 2), (2, 7, 3), (3, 7, 2), (2, 3, 2), (3, 3, 3)]):
+    for step, (rows_n, n, accepted) in enumerate(_DRAFT_STEPS):
         items = [DraftRequest(states[r], 5 + r + step, pos[r], n) for r in range(rows_n)]
         outs.append(drafter.propose_scored(items))
         for r in range(rows_n):
             drafter.extend_context(states[r], feats[r, pos[r] : pos[r] + accepted])
             pos[r] += accepted
+    assert max(pos) > 512
+    if graphs is not None:
+        assert _graphs() == graphs  # nothing compiled after warm-up, at any key bucket
     return outs
 
 
@@ -93,8 +146,8 @@ def test_draft_compiled_equals_eager(model, draft):
     eager = _proposals(model, draft, None)
     shapes = StaticShapes(batch_sizes=(2, 4), widths=(4, 8), compiled=True)
     compiled = _proposals(model, draft, shapes)
-    assert set(shapes.calls) == {(2, 4), (2, 8), (4, 4), (4, 8)}  # the four steps after the first ran the compiled step
-    assert sum(shapes.calls.values()) == 4
+    # the steps but the first and those after the long contexts ran the compiled step
+    assert set(shapes.calls) == {(2, 4), (2, 8), (4, 4), (4, 8)} and sum(shapes.calls.values()) == 5
     for e_step, c_step in zip(eager, compiled, strict=True):
         for e, c in zip(e_step, c_step, strict=True):
             assert c.tokens == e.tokens
@@ -107,5 +160,11 @@ def test_buckets_and_sizes():
     with pytest.raises(ValueError, match="compile_batch_sizes"):
         parse_sizes("0,2", "compile_batch_sizes")
     assert kv_bucket(1, 10_000) == 256 and kv_bucket(257, 10_000) == 512 and kv_bucket(9000, 5000) == 5000
+    assert key_buckets(601) == (256, 512, 601) and key_buckets(100) == (100,) and key_buckets(512) == (256, 512)
+    assert {kv_bucket(n, 601) for n in range(1, 602)} == set(key_buckets(601))
+    # warm-up: on CUDA every key bucket, three calls each (reduce-overhead records a shape on its second call);
+    # elsewhere what compiles, once
+    assert StaticShapes((2,)).warm_up_keys(torch.device("cuda"), 600) == ((256, 512, 600), 3)
+    assert StaticShapes((2,)).warm_up_keys(torch.device("cpu"), 600) == ((256,), 1)
     shapes = StaticShapes((1, 4), (1, 2, 4, 8, 16))
     assert shapes.batch_bucket(3) == 4 and shapes.batch_bucket(5) is None and shapes.width_bucket(5) == 8

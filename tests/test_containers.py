@@ -1,5 +1,6 @@
 """The container and deployment files, checked offline: Dockerfile (hadolint), the lock file, compose, shell
-scripts, and the README's install, API and memory sections that go with them (Kubernetes: tests/test_k8s.py).
+scripts, and the README's install section, with the examples and the memory table of README.md and docs/
+(Kubernetes: tests/test_k8s.py).
 
 No container engine is needed: docker/smoke.sh builds and runs the image where one is available.
 """
@@ -27,7 +28,17 @@ REPO = Path(__file__).resolve().parent.parent
 DOCKER = REPO / "docker"
 LOCK = DOCKER / "requirements.lock"
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
-SHUTDOWN_TIMEOUT_S = 30  # the server's default graceful-shutdown timeout
+MIRROR = "https://mirror.example/simple"
+
+
+def _shutdown_timeout_s() -> float:
+    """The server's default graceful-shutdown timeout (what a container runtime must wait for after SIGTERM)."""
+    from server.settings import Settings
+
+    return Settings().shutdown_timeout
+
+
+SHUTDOWN_TIMEOUT_S = _shutdown_timeout_s()
 
 
 def _tool(name: str) -> str | None:
@@ -56,6 +67,70 @@ def test_dockerfile_is_reproducible_and_portable() -> None:
     assert f"ARG TORCH_INDEX_URL={CPU_INDEX}\n" in text  # CPU torch unless asked
     assert "HEALTHCHECK" in text and "--format docker" in text  # podman's OCI format would drop the HEALTHCHECK
     assert re.search(r"^USER 1000:1000$", text, re.M)
+
+
+def _build_stage_install() -> tuple[dict[str, str | None], str]:
+    """The build stage's ARGs (name -> default, None without one) and its RUN that installs the lock (continuation
+    lines joined, as Docker runs it with ``/bin/sh -c``)."""
+    text = (REPO / "Dockerfile").read_text()
+    stage = re.search(r"^FROM .* AS build\n(.*?)^FROM ", text, re.M | re.S)
+    assert stage, "no build stage"
+    logical = re.sub(r"\\\n\s*", " ", stage.group(1)).splitlines()
+    args: dict[str, str | None] = {}
+    for line in logical:
+        m = re.match(r"ARG (\w+)(?:=(\S*))?$", line.strip())
+        if m:
+            args[m.group(1)] = m.group(2)
+    (run,) = [line[len("RUN "):] for line in logical if line.startswith("RUN ") and "requirements.lock" in line]
+    return args, run
+
+
+def _run_install(tmp_path: Path, build_args: dict[str, str]) -> tuple[list[list[str]], str]:
+    """Run the build stage's install step as Docker would (ARGs in the environment, /bin/sh) with stand-ins for
+    python and pip that record their calls; (pip calls, each its argv then PIP_INDEX_URL; the lock afterwards)."""
+    args, run = _build_stage_install()
+    unknown = set(build_args) - set(args)
+    assert not unknown, f"the build stage declares no ARG {unknown}"
+    work, bin_dir = tmp_path / "src", tmp_path / "bin"
+    work.mkdir(parents=True)
+    bin_dir.mkdir()
+    shutil.copy(LOCK, work / "requirements.lock")
+    calls = tmp_path / "pip-calls"
+    (bin_dir / "python").write_text("#!/bin/sh\n[ \"$*\" = '-m venv /opt/venv' ] || exit 9\n")
+    (bin_dir / "pip").write_text(
+        f"#!/bin/sh\nfor a in \"$@\" \"index=${{PIP_INDEX_URL-unset}}\"; do printf '%s\\t' \"$a\"; done >> {calls}\n"
+        f"echo >> {calls}\n"
+    )
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    env.update({k: v for k, v in args.items() if v is not None})
+    env.update(build_args)
+    res = subprocess.run(["/bin/sh", "-c", run], cwd=work, env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = calls.read_text().splitlines() if calls.exists() else []
+    return [line.rstrip("\t").split("\t") for line in lines], (work / "requirements.lock").read_text()
+
+
+def test_dockerfile_installs_from_a_package_mirror_when_given(tmp_path: Path) -> None:
+    """``--build-arg PIP_INDEX_URL``: pip gets it (PyPI otherwise); ``TORCH_INDEX_URL`` then also replaces the
+    lock's extra index (the PyTorch CPU wheels), so that a build behind a mirror needs neither pypi.org nor
+    download.pytorch.org. The lock is installed hash-checked in every case."""
+    lock = LOCK.read_text()
+    hashed = ["install", "--require-hashes", "--no-deps", "-r", "requirements.lock"]
+    calls, after = _run_install(tmp_path / "plain", {})
+    assert calls == [[*hashed, "index=unset"]] and after == lock
+    calls, after = _run_install(tmp_path / "mirror", {"PIP_INDEX_URL": MIRROR})
+    assert calls == [[*hashed, f"index={MIRROR}"]] and after == lock  # the CPU index stays the extra one
+    torch_mirror = "https://mirror.example/pytorch/whl/cpu"
+    calls, after = _run_install(tmp_path / "both", {"PIP_INDEX_URL": MIRROR, "TORCH_INDEX_URL": torch_mirror})
+    assert calls == [["install", "--index-url", torch_mirror, "torch==2.13.0", f"index={MIRROR}"],
+                     [*hashed, f"index={MIRROR}"]]
+    assert after == lock.replace(f"--extra-index-url {CPU_INDEX}\n", f"--extra-index-url {torch_mirror}\n") != lock
+    cuda = "https://download.pytorch.org/whl/cu128"
+    calls, after = _run_install(tmp_path / "cuda", {"TORCH_INDEX_URL": cuda})
+    assert calls == [["install", "--index-url", cuda, "torch==2.13.0", "index=unset"], [*hashed, "index=unset"]]
+    assert after == lock
 
 
 def test_dockerignore_keeps_what_the_build_copies() -> None:
@@ -237,6 +312,47 @@ def test_scripts_shellcheck_clean() -> None:
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+def test_smoke_script_passes_build_options_through(tmp_path: Path) -> None:
+    """``docker/smoke.sh ARGS`` hands ARGS to ``$ENGINE build``, and PIP_INDEX_URL from the environment as a build
+    argument (a stand-in engine records the build and refuses the rest, which ends the script)."""
+    calls = tmp_path / "engine-calls"
+    engine = tmp_path / "engine"
+    engine.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$*\" >> {calls}\n[ \"$1\" = build ]\n")
+    engine.chmod(0o755)
+    env = {**os.environ, "ENGINE": str(engine), "IMAGE": "dflash-serve:test", "PIP_INDEX_URL": MIRROR}
+    res = subprocess.run([str(DOCKER / "smoke.sh"), "--network", "host", "--build-arg", "HTTPS_PROXY=http://p:3128"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1 and "== image metadata" in res.stdout, res.stdout + res.stderr  # after the build
+    build = calls.read_text().splitlines()[0]
+    assert build == (f"build --build-arg TORCH_INDEX_URL={CPU_INDEX} -t dflash-serve:test --build-arg "
+                     f"PIP_INDEX_URL={MIRROR} --network host --build-arg HTTPS_PROXY=http://p:3128 ."), build
+    env.pop("PIP_INDEX_URL")
+    calls.unlink()
+    subprocess.run([str(DOCKER / "smoke.sh")], env=env, capture_output=True, text=True, timeout=60)
+    assert calls.read_text().splitlines()[0] == f"build --build-arg TORCH_INDEX_URL={CPU_INDEX} -t dflash-serve:test ."
+    res = subprocess.run([str(DOCKER / "smoke.sh"), "--network", "host"], env={**env, "SKIP_BUILD": "1"},
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "SKIP_BUILD" in res.stderr
+
+
+def test_docker_run_examples_leave_time_for_the_drain() -> None:
+    """Every ``docker run`` / ``podman run`` example gives the container more than the server's shutdown timeout to
+    stop (a plain ``docker stop`` kills after 10 s, cutting streams the drain would have finished)."""
+    sources = [REPO / "Dockerfile", REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    examples = 0
+    for path in sources:
+        for line in path.read_text().splitlines():
+            if not re.search(r"\b(docker|podman) run\b", line) or "docker run` |" in line:
+                continue
+            examples += 1
+            m = re.search(r"--stop-timeout[ =](\d+)", line)
+            assert m and int(m.group(1)) > SHUTDOWN_TIMEOUT_S, f"{path.name}: {line.strip()}"
+    assert examples >= 3
+    smoke = (DOCKER / "smoke.sh").read_text()
+    (timeout,) = re.findall(r'"\$ENGINE" stop -t (\d+) ', smoke)
+    assert int(timeout) > SHUTDOWN_TIMEOUT_S
+
+
 def test_smoke_script_checks_what_it_promises() -> None:
     text = (DOCKER / "smoke.sh").read_text()
     for needle in ("--format docker", "/health", "/v1/chat/completions", '"stream": true', "/metrics",
@@ -247,6 +363,8 @@ def test_smoke_script_checks_what_it_promises() -> None:
 # ---- README ------------------------------------------------------------------------------------
 
 README = (REPO / "README.md").read_text()
+# the README and the documentation site it links (docs/): the examples and tables moved there keep their checks
+DOCS = "\n".join([README, *(p.read_text() for p in sorted((REPO / "docs").rglob("*.md")))])
 DEMO_PROMPT = "Convert 5 kilometers to meters."
 
 
@@ -258,18 +376,19 @@ def test_readme_install_commands() -> None:
 
 
 def test_readme_examples_use_a_prompt_the_demo_answers() -> None:
-    """Every example asks the demo pair DEMO_PROMPT, and the demo's greedy answer is the one the README shows."""
+    """Every example (README and docs/) asks the demo pair DEMO_PROMPT, and the demo's greedy answer is the one the
+    README shows."""
     from dflash_core.config import EngineConfig
     from dflash_core.loading import load_models
     from dflash_core.sampling import SamplingParams
 
-    prompts = set(re.findall(r'"role": "user", "content": "([^"]+)"', README))
+    prompts = set(re.findall(r'"role": "user", "content": "([^"]+)"', DOCS))
     assert prompts == {DEMO_PROMPT}
-    for line in README.splitlines():
+    for line in DOCS.splitlines():
         if line.lstrip().startswith("curl") and "/v1/" in line:
             assert re.search(r"curl -sN? ", line), line
         if '"stream": true' in line:
-            assert '"temperature": 0' in line and "-sN" in README, line
+            assert '"temperature": 0' in line and "-sN" in DOCS, line
     shown = re.search(r'# -> "content": "(.+)"', README)
     assert shown, "the README shows the demo's answer"
     expected = shown.group(1).replace("\\n", "\n")
@@ -295,5 +414,6 @@ def test_readme_memory_table_is_computed() -> None:
 
     presets = ["qwen3-4b.yaml", "qwen3-8b.yaml", "llama3.1-8b.yaml"]
     table = format_memory([memory_from_preset(REPO / "configs" / n) for n in presets])
-    assert table in README, "README's GPU memory table differs from `dflash-bench memory`"
-    assert "~20 GB" not in README
+    gpu_page = (REPO / "docs" / "gpu.md").read_text()
+    assert table in gpu_page, "docs/gpu.md's memory table differs from `dflash-bench memory`"
+    assert "~20 GB" not in DOCS

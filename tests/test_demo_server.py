@@ -1,6 +1,6 @@
 """The README's first command: `dflash-serve` with no arguments serves the bundled demo pair (no download).
 
-The README's curl and openai-SDK examples run as written against it (only the port differs).
+The curl and openai-SDK examples of the README and docs/api.md run as written against it (only the port differs).
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from tests.server_fixtures import start_server
 
 @pytest.fixture(scope="module")
 def demo_server(tmp_path_factory):
-    server = start_server([], tmp_path_factory.mktemp("demo") / "server.log")
+    # the default command; the width policy pinned (the adaptive one may stop drafting on a loaded machine, and the
+    # test asserts that the draft ran)
+    server = start_server([], tmp_path_factory.mktemp("demo") / "server.log", env={"DFLASH_SPECULATION": "fixed"})
     try:
         server.wait_ready()
         yield server
@@ -43,10 +45,10 @@ def test_default_command_serves_the_demo_pair(demo_server):
         else:
             last = chunk
     assert "".join(parts) == text
-    # the same tokens; the speculation counters follow the adaptive width policy's timings, so only their shape
+    # the same tokens and, with fixed widths, the same speculation counters
     assert last.usage.completion_tokens == r.usage.completion_tokens
     streamed_summary = last.model_extra["dflash"]
-    assert streamed_summary["num_drafts"] > 0 and set(streamed_summary) == set(summary)
+    assert streamed_summary == summary
 
 
 def test_readme_curl_example(demo_server):

@@ -1,4 +1,6 @@
-"""Incremental detokenization and stop strings (dflash_core/detokenize.py) on a real byte-level BPE tokenizer."""
+"""Incremental detokenization and stop strings (dflash_core/detokenize.py) on a real byte-level BPE tokenizer (a fast,
+tokenizers-backed one: the ``DecodeStream`` path) and on a Python tokenizer (transformers' byte-level
+``PerceiverTokenizer``, not a ``PreTrainedTokenizerFast``: the path that decodes a window twice per token)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,16 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return make_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def slow() -> Any:
+    """A tokenizer of the other path: pure Python, one token per UTF-8 byte, no files."""
+    from transformers import PerceiverTokenizer, PreTrainedTokenizerFast
+
+    tokenizer = PerceiverTokenizer()
+    assert not isinstance(tokenizer, PreTrainedTokenizerFast)
+    return tokenizer
 
 
 def byte_ids(tok: Any, text: str) -> list[int]:
@@ -77,6 +89,41 @@ def test_invalid_bytes_are_released(tok: Any) -> None:
     out = [d.add_token(t) for t in byte_ids(tok, "x😀")[:-1]]  # the emoji's last byte never comes
     assert "".join(out) == "x"
     assert d.flush() == "\ufffd"
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_python_tokenizer_holds_split_characters(slow: Any, text: str) -> None:
+    ids = slow.encode(text, add_special_tokens=False)
+    assert len(ids) == len(text.encode("utf-8"))  # every multi-byte character is split across tokens
+    pieces = stream(slow, ids)
+    assert "".join(pieces) == text == slow.decode(ids)
+    assert not any("\ufffd" in p for p in pieces), pieces  # a split character waits until complete
+    if any(ord(c) > 127 for c in text):
+        assert "" in pieces[:-1]
+
+
+def test_python_tokenizer_random_bytes_and_invalid_ones(slow: Any) -> None:
+    rng = random.Random(0)
+    byte_id = slow.convert_tokens_to_ids  # chr(byte) -> its token
+    for _ in range(200):
+        ids = [byte_id(chr(rng.randrange(256))) for _ in range(rng.randrange(1, 30))]
+        pieces = stream(slow, ids)
+        assert "".join(pieces) == slow.decode(ids)
+        assert not any(p.endswith("\ufffd") for p in pieces[:-1])  # never a character cut in two
+    ids = [byte_id(c) for c in "a\xffb"]  # 0xFF is never valid UTF-8: released once the next byte shows it
+    assert "".join(stream(slow, ids)) == "a\ufffdb"
+    d = IncrementalDetokenizer(slow)
+    out = [d.add_token(byte_id(chr(b))) for b in "x😀".encode()[:-1]]  # the emoji's last byte never comes
+    assert "".join(out) == "x" and d.flush() == "\ufffd"
+
+
+def test_python_tokenizer_stop_strings(slow: Any) -> None:
+    ids = slow.encode("ab你好cd", add_special_tokens=False)
+    dec = RequestDecoder(slow, slow.encode("prompt", add_special_tokens=False), ["好c"])
+    first = dec.feed(ids[:4])
+    assert (first.text, first.stop_string, first.tokens_used) == ("ab", None, 4)
+    rest = dec.feed(ids[4:])
+    assert (rest.text, rest.stop_string, rest.tokens_used) == ("你", "好c", 5)
 
 
 def test_stop_matcher_holds_back_and_cuts() -> None:

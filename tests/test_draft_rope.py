@@ -97,7 +97,7 @@ def test_plain_default_keeps_its_frequencies() -> None:
     cfg = draft_config({"rope_scaling": None, "rope_theta": 10_000.0})
     assert cfg.rope_scaling is None
     expected = (1.0 / (10_000.0 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16))).float()
-    assert torch.equal(DFlashDraft(cfg)._rope.inv_freq, expected)
+    assert torch.equal(DFlashDraft(cfg).rope_frequencies.inv_freq, expected)
 
 
 @pytest.mark.parametrize(
@@ -121,12 +121,13 @@ def test_dynamic_rope_is_the_base_set_within_the_length_and_one_scaled_set_past_
     d = cfg.head_dim
     freqs = lambda base: 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))  # noqa: E731
     draft = DFlashDraft(cfg)
-    torch.testing.assert_close(draft._rope.inv_freq, freqs(10_000.0))
-    torch.testing.assert_close(draft._rope.long_inv_freq, freqs(10_000.0 * (2.0 * 2.0 - 1.0) ** (d / (d - 2))))
+    rope = draft.rope_frequencies
+    torch.testing.assert_close(rope.inv_freq, freqs(10_000.0))
+    torch.testing.assert_close(rope.long_inv_freq, freqs(10_000.0 * (2.0 * 2.0 - 1.0) ** (d / (d - 2))))
     pos = torch.tensor([[MAX_POS - 1], [MAX_POS]])
     cos, _ = draft.rope(pos, torch.float32, pos[:, 0])
     torch.testing.assert_close(cos[0, 0, : d // 2], torch.cos((MAX_POS - 1) * freqs(10_000.0)))
-    torch.testing.assert_close(cos[1, 0, : d // 2], torch.cos(MAX_POS * draft._rope.long_inv_freq))
+    torch.testing.assert_close(cos[1, 0, : d // 2], torch.cos(MAX_POS * draft.rope_frequencies.long_inv_freq))
 
 
 def test_yarn_draft_decodes_exactly(target_dir, tmp_path) -> None:  # noqa: F811 - the fixture
@@ -139,5 +140,5 @@ def test_yarn_draft_decodes_exactly(target_dir, tmp_path) -> None:  # noqa: F811
         models = load_models(EngineConfig(str(target_dir), draft, max_running_requests=2))
         rid = models.engine.add_request(prompt, SamplingParams(max_tokens=24, ignore_eos=True))
         outs.append(tokens(run_all(models.engine)[rid]))
-    assert DFlashDraft.from_folder(draft_dir)._rope.attention_scaling > 1.0
+    assert DFlashDraft.from_folder(draft_dir).rope_frequencies.attention_scaling > 1.0
     assert outs[0] == outs[1] and len(outs[0]) == 24

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from dflash_core.config import EngineConfig
-from dflash_core.engine import Engine, StepOutput
+from dflash_core.engine import Engine
 from dflash_core.loading import load_models
+from dflash_core.outputs import StepOutput
 from dflash_core.runners.base import PerRequestDrafter
 from dflash_core.sampling import SamplingParams
 from tests.helpers import make_tiny_pair

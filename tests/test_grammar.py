@@ -12,9 +12,10 @@ import pytest
 
 from dflash_core.engine import Engine
 from dflash_core.generate import iter_steps, run_to_completion
-from dflash_core.grammar import GrammarState, LLGuidanceBackend, StructuredOutput, tool_call_structure
+from dflash_core.grammar import GrammarState, LLGuidanceBackend, StructuredOutput
 from dflash_core.runners.base import PerRequestDrafter
 from dflash_core.sampling import SamplingParams
+from dflash_core.tool_grammar import tool_call_structure
 from tests.demo_engines import accepted_drafts, both, demo, prompts
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 100000},

@@ -117,7 +117,8 @@ def test_seeded_sampling_is_the_same_with_and_without_speculation(model: torch.n
 def test_dflash_serve_runs_a_hybrid_target_natively(tmp_path: Path) -> None:
     target_dir, draft_dir = make_tiny_pair(tmp_path, arch="qwen3_5")
     server = start_server(["--target", str(target_dir), "--draft", str(draft_dir), "--device", "cpu",
-                           "--max-running-requests", "2"], tmp_path / "server.log")
+                           "--max-running-requests", "2", "--speculation", "fixed"],  # it must draft
+                          tmp_path / "server.log")
     try:
         server.wait_ready()
         body = {"model": "target-qwen3_5", "prompt": "hello world", "max_tokens": 12, "temperature": 0}

@@ -109,7 +109,7 @@ def test_block_size_at_top_level_or_in_dflash_config():
 
 def test_zlab_folder_loads_and_decodes_losslessly(target_dir, tmp_path):
     draft_dir = write_zlab(tmp_path / "zlab-draft", zlab_config(), zlab_weights())
-    models = load_models(EngineConfig(str(target_dir), str(draft_dir)))
+    models = load_models(EngineConfig(str(target_dir), str(draft_dir), speculation="fixed"))  # it must draft
     plain = load_models(EngineConfig(str(target_dir), None))
     assert models.block_size == 16 and plain.block_size == 1
     outs = []

@@ -70,8 +70,8 @@ def test_load_models_logs_the_budget_and_sizes_max_model_len(caplog):
     assert models.engine.max_model_len == 1000
     assert models.memory.target_kv == 2 * DEMO_ROW * 1017 and models.memory.draft_kv == 2 * DEMO_DRAFT_ROW * 1018
     target, drafter = models.engine.target, models.engine.drafter
-    assert models.memory.target_kv == target.k_cache.nbytes + target.v_cache.nbytes  # the plan is the allocation
-    assert models.memory.draft_kv == drafter.slots.k.nbytes + drafter.slots.v.nbytes
+    assert models.memory.target_kv == target.kv_cache_bytes  # the plan is the allocation
+    assert models.memory.draft_kv == drafter.slots.nbytes
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory: "))
     assert "weights " in line and "target KV " in line and "2 slots x 1,000 tokens" in line and "draft KV" in line
     assert "cache budget (--kv-cache-memory" in line

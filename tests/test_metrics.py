@@ -18,7 +18,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from dflash_core.engine import StepOutput
+from dflash_core.outputs import StepOutput
 from server.logs import setup_logging
 from server.metrics import ServerMetrics
 
@@ -76,7 +76,7 @@ def finish(m: ServerMetrics, rid: str, reason: str, gen: int, itl: list[float] |
 
 
 def test_names_types_labels_and_buckets() -> None:
-    """Exactly the families, types, labels and buckets the README's Metrics section lists, present before traffic."""
+    """Exactly the families, types, labels and buckets docs/metrics.md lists, present before traffic."""
     m = make_metrics()
     assert families(m) == {
         "dflash_requests": "counter",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflash_core.generate import run_to_completion
+from dflash_core.grammar import StructuredOutput
 from dflash_core.processors import build_processor
 from dflash_core.sampling import SamplingParams, processed_probs
 from tests.demo_engines import accepted_drafts, both, demo, prompts
@@ -123,3 +125,43 @@ def test_every_control_speculative_equals_plain(sampled: bool) -> None:
     assert all(ids == [so] * 8 for ids in by["force"])
     assert all(len(ids) >= 44 and eos not in ids[:44] for ids in by["min_tokens"])
     assert all(len(ids) < 44 for ids in by["none"])
+
+
+@pytest.mark.parametrize("control", ["logit_bias", "penalties", "grammar"])
+def test_logprobs_are_the_raw_model_distribution_under_every_control(control: str) -> None:
+    """Logprobs (chosen token and top alternatives) are the target's raw log-softmax at each position, not the
+    distribution after logit_bias, the penalties or the grammar mask; checked against the target model run on the
+    whole output at once, on the speculative engine (verify rows) and on the plain one (one row a step)."""
+    models, plain = demo()
+    tok = models.tokenizer
+    so = tok.encode("So", add_special_tokens=False)[0]
+    base = dict(max_tokens=12, temperature=0.0, logprobs=3)
+    params = {
+        "logit_bias": SamplingParams(**base, logit_bias={so: 100.0}),  # "So" every time
+        "penalties": SamplingParams(**base, presence_penalty=1.5, frequency_penalty=1.2, repetition_penalty=1.8),
+        "grammar": SamplingParams(**base, structured=StructuredOutput("json_object")),
+    }[control]
+    prompt = prompts()[1]
+    for engine in (models.engine, plain):
+        (out,) = run_to_completion(engine, [prompt], params)
+        ids = out.token_ids
+        assert len(out.logprobs) == len(ids) > 0
+        with torch.no_grad():
+            logits = engine.target.model(torch.tensor([prompt + ids])).logits[0].float()
+        raw = torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + len(ids)], dim=-1)
+        processed = build_processor(params, prompt, set(engine.eos_token_ids), raw.shape[-1])
+        moved = 0.0
+        for i, lp in enumerate(out.logprobs):
+            assert lp.token_id == ids[i]
+            assert lp.logprob == pytest.approx(float(raw[i, ids[i]]), abs=1e-3), (control, i)
+            top_v, top_i = raw[i].topk(3)
+            assert [t for t, _ in lp.top] == top_i.tolist(), (control, i)
+            assert [v for _, v in lp.top] == pytest.approx(top_v.tolist(), abs=1e-3), (control, i)
+            if processed is not None and control != "grammar":  # the grammar's state is the request's own
+                after = torch.log_softmax(processed.apply(logits[len(prompt) - 1 + i][None], ids[:i], [])[0], -1)
+                moved = max(moved, abs(float(after[ids[i]]) - lp.logprob))
+        if control == "grammar":
+            assert tok.decode(ids).lstrip().startswith("{")  # the mask did act: an object, not the usual answer
+            assert any(float(raw[i].max()) - float(raw[i, t]) > 1e-3 for i, t in enumerate(ids))  # off the argmax
+        else:
+            assert moved > 0.1, control  # the control did move the distribution the token was chosen from

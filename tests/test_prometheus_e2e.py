@@ -87,7 +87,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     started_at = time.time()
     procs: Procs = []
     try:
-        server = start_server(["--device", "cpu"], tmp / "server.log")
+        # fixed widths: the test asserts the draft's acceptance (the adaptive policy may stop drafting under load)
+        server = start_server(["--device", "cpu", "--speculation", "fixed"], tmp / "server.log")
         procs.append((server.proc, server.log))
         config.write_text(
             "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n"

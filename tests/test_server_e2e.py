@@ -62,7 +62,10 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     target, draft = make_scripted_pair(tmp)
     spec_args = f"--target {target} --draft {draft} --served-model-name {SERVED_NAME} --api-key {API_KEY}"
     gate = tmp / "spec.gate"
-    spec = start_gated_server([*spec_args.split(), "--device", "cpu"], tmp / "spec.log", gate)
+    # fixed widths: the tests count drafts, accepted tokens and chunks per step; the adaptive policy, measuring a
+    # loaded machine, may stop drafting
+    spec = start_gated_server([*spec_args.split(), "--device", "cpu", "--speculation", "fixed"], tmp / "spec.log",
+                              gate)
     # The plain server takes its settings from all three sources: flag > DFLASH_* environment > YAML.
     config = tmp / "ar.yaml"
     config.write_text(
@@ -224,9 +227,10 @@ def test_raw_sse_framing(servers: Servers) -> None:
         raw = r.read()
     text = raw.decode("utf-8")  # strict: the stream is valid UTF-8
     events = text.split("\n\n")
+    assert events[0] == ": ping"  # every stream starts with a comment (headers at once)
     assert events[-1] == "" and events[-2] == "data: [DONE]"
     payloads = []
-    for event in events[:-2]:
+    for event in [e for e in events[1:-2] if e != ": ping"]:
         assert event.startswith("data: ") and "\n" not in event, event
         payloads.append(json.loads(event[len("data: ") :]))
     assert payloads[0]["choices"][0]["delta"]["role"] == "assistant"
@@ -571,6 +575,9 @@ BAD_REQUESTS = [
         "stream_options",
     ),
     ("empty stop", "chat/completions", _chat(stop=""), 400, None, "stop"),
+    ("17 stop strings", "chat/completions", _chat(stop=[f"s{i}" for i in range(17)]), 400, None, "at most 16"),
+    ("17 stop strings, completions", "completions",
+     {"model": SERVED_NAME, "prompt": "x", "stop": list("abcdefghijklmnopq")}, 400, None, "at most 16 stop strings"),
     ("empty prompt", "completions", {"model": SERVED_NAME, "prompt": ""}, 400, None, "prompt"),
     (
         "prompt ids out of vocab",
@@ -640,7 +647,8 @@ def test_sdk_raises_typed_errors_and_server_keeps_serving(servers: Servers) -> N
 
 def test_api_key(servers: Servers) -> None:
     url = f"{servers.spec.url}/v1/chat/completions"
-    for hdrs in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+    prefixes = [{"Authorization": f"Bearer {API_KEY[:n]}".strip()} for n in (0, 1, len(API_KEY) - 1)]
+    for hdrs in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}, *prefixes):
         r = httpx.post(url, json=_chat(), headers=hdrs, timeout=30)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{servers.spec.url}/v1/models", timeout=5).status_code == 401

@@ -32,7 +32,7 @@ import pytest
 import server.app as server_app
 import server.runs as server_runs
 import server.streaming as server_streaming
-from server.protocol import ChatCompletionRequest
+from server.chat_request import ChatCompletionRequest
 from server.settings import Settings
 from tests.helpers import CHATML_TEMPLATE
 from tests.server_fixtures import (
@@ -42,6 +42,7 @@ from tests.server_fixtures import (
     InProcessServer,
     ServerProcess,
     make_scripted_pair,
+    read_stream_start,
     start_server,
 )
 
@@ -87,6 +88,7 @@ def hard(pair: tuple[Path, Path], tokenizer: Any, tmp_path_factory: pytest.TempP
         *("--target", str(target), "--draft", str(draft), "--device", "cpu"),
         *("--served-model-name", SERVED_NAME, "--api-key", API_KEY),
         *("--max-running-requests", "1", "--max-waiting-requests", "8", "--sse-ping-interval", str(PING_S)),
+        *("--speculation", "fixed"),  # steps of one known shape, whatever the load (the stall test times them)
     ]
     server = start_server(args, tmp_path_factory.mktemp("hard") / "server.log")
     try:
@@ -407,7 +409,8 @@ def test_big_valid_bodies_still_work(hard: Hard) -> None:
 
 def test_many_empty_messages_are_refused_before_they_cost(hard: Hard) -> None:
     """Each message renders to at least one token: 20 000 of them cannot fit, however short."""
-    from server.protocol import APIError, parse_request
+    from server.api_error import APIError
+    from server.protocol import parse_request
 
     messages = ",".join(['{"role":"user","content":""}'] * 20_000)
     body = f'{{"model": "{SERVED_NAME}", "messages": [{messages}]}}'.encode()
@@ -428,7 +431,7 @@ def test_many_empty_messages_are_refused_before_they_cost(hard: Hard) -> None:
 
 def test_parse_helpers_that_die_or_hang_are_replaced(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import server.parsing as parsing
-    from server.protocol import APIError
+    from server.api_error import APIError
 
     (tmp_path / "server").mkdir()  # a server/ folder where the server runs must not shadow the package
     (tmp_path / "server" / "__init__.py").write_text("raise SystemExit('the wrong server package')\n")
@@ -549,8 +552,8 @@ def test_plain_text_encoding_leaves_the_shared_tokenizer_alone(pair: tuple[Path,
 def test_special_token_text_under_a_template_that_changes_content(pair: tuple[Path, Path]) -> None:
     from transformers import AutoTokenizer
 
+    from server.api_error import APIError
     from server.prompts import PromptBuilder
-    from server.protocol import APIError
 
     tok = AutoTokenizer.from_pretrained(str(pair[0]))
     tok.chat_template = CHATML_TEMPLATE.replace("message['content']", "(message['content'] | trim)")
@@ -567,8 +570,8 @@ def test_chat_template_kwargs_cannot_forge_special_tokens(pair: tuple[Path, Path
     """transformers merges the kwargs over ``special_tokens_map``: ``bos_token`` would become a real turn."""
     from transformers import AutoTokenizer
 
+    from server.api_error import APIError
     from server.prompts import PromptBuilder
-    from server.protocol import APIError
 
     tok = AutoTokenizer.from_pretrained(str(pair[0]))
     tok.chat_template = "{{ bos_token }}" + CHATML_TEMPLATE
@@ -722,6 +725,24 @@ def test_queued_stream_sends_headers_and_keep_alives_at_once(hard: Hard) -> None
                 await asyncio.gather(*holders, return_exceptions=True)
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("grace_s", [0.0, 60.0], ids=["first-token-later", "first-token-sooner"])
+def test_every_stream_starts_with_headers_and_a_ping(inproc: InProc, monkeypatch: pytest.MonkeyPatch,
+                                                      grace_s: float) -> None:
+    """The first bytes of every stream are a ``: ping`` comment, whether the first token comes after the headers'
+    grace (0 s: always later) or within it (60 s: always sooner, however slow the machine)."""
+    monkeypatch.setattr(server_streaming, "STREAM_HEADERS_GRACE_S", grace_s)
+    for path, body in (("/v1/completions", {"model": SERVED_NAME, "prompt": "x", "max_tokens": 3}),
+                       ("/v1/chat/completions", chat_body(max_tokens=3))):
+        start = read_stream_start(inproc.server.port, path, {**body, "stream": True, "temperature": 0})
+        assert start.status == 200 and start.headers["content-type"].startswith("text/event-stream")
+        assert start.first_chunk == server_streaming.PING, start.first_chunk
+
+
+def test_a_real_server_stream_starts_with_a_ping(hard: Hard) -> None:
+    start = read_stream_start(hard.server.port, "/v1/chat/completions", chat_body(stream=True), AUTH)
+    assert start.status == 200 and start.first_chunk == b": ping\n\n", start.first_chunk
 
 
 def test_stream_wire_format(hard: Hard) -> None:

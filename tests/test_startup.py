@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.app import ServerState
 from server.settings import Settings
+from server.state import ServerState
 from tests.helpers import make_tiny_pair
 from tests.server_fixtures import REPO, start_server
 

@@ -70,7 +70,8 @@ class Pair:
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     tmp = tmp_path_factory.mktemp("structured")
     common = ["--device", "cpu", "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
-    spec = start_server([str(DEMO_TARGET), "--speculative-config", SPEC_CONFIG, *common], tmp / "spec.log")
+    spec = start_server([str(DEMO_TARGET), "--speculative-config", SPEC_CONFIG, "--speculation", "fixed", *common],
+                        tmp / "spec.log")  # fixed widths: a test asserts that the draft ran, whatever the load
     plain = start_server(["--model", str(DEMO_TARGET), "--no-speculative", *common], tmp / "plain.log")
     try:
         spec.wait_ready()

@@ -144,3 +144,64 @@ def test_a_long_call_streams_in_linear_time(parser_class: type[ToolParser]) -> N
     assert json.loads(calls[0]["arguments"]) == {"text": 'x"{[' * 8000, "n": [1, {"a": 2}]}
     assert len(deltas) > 1000  # the arguments did stream
     assert elapsed < 2.0, f"{elapsed:.2f} s"
+
+
+# --- forced parsers: required / named tool_choice, whose grammar allows calls only ---------------------------------
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("cut", [len(CALL) - 5, len('<tool_call>\n{"name": "get_weather", "arguments": {"ci')])
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_forced_output_cut_by_max_tokens_is_calls_as_streamed(cut: int, step: int) -> None:
+    """Cut inside the end marker, the call is complete; cut inside its arguments, it is kept as streamed (name and
+    the arguments written): the whole output's calls are the stream's, and no markup is ever content."""
+    text = CALL + "\n" + CALL[:cut]
+    whole = HermesParser(forced=True)
+    out = whole.parse(text)
+    content, calls, _ = stream(HermesParser(forced=True), text, step)
+    assert out.content == content == ""
+    assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in whole.calls]
+    complete, last = whole.calls
+    assert json.loads(complete.arguments) == {"city": "Paris", "days": 1}
+    if cut > len(CALL) - 13:  # only the end marker is cut
+        assert json.loads(last.arguments) == {"city": "Paris", "days": 1}
+    else:
+        assert last.name == "get_weather" and last.arguments == '{"ci'
+
+
+def test_forced_output_without_a_name_yet_has_no_call() -> None:
+    parser = HermesParser(forced=True)
+    out = parser.parse(CALL + '\n<tool_call>\n{"na')
+    assert out.content == "" and [c.name for c in parser.calls] == ["get_weather"]
+
+
+@pytest.mark.parametrize("parser_class", [HermesParser, Llama3JsonParser])
+def test_forced_parser_never_returns_content(parser_class: type[ToolParser]) -> None:
+    text = "\n\n" + (CALL if parser_class is HermesParser else '{"name": "f", "parameters": {"x": 1}}')
+    parser = parser_class(forced=True)
+    assert parser.parse(text).content == "" and [c.name for c in parser.calls] in (["get_weather"], ["f"])
+    assert stream(parser_class(forced=True), "free text <tool_call", 2)[0] == ""
+
+
+def test_llama3_json_forced_cut_keeps_the_call_as_streamed() -> None:
+    text = '{"name": "f", "parameters": {"x": 1}}; {"name": "g", "parameters": {"y": [1, 2'
+    parser = Llama3JsonParser(forced=True)
+    parser.parse(text)
+    assert [(c.name, c.arguments) for c in parser.calls] == [("f", '{"x": 1}'), ("g", '{"y": [1, 2')]
+    _, calls, _ = stream(Llama3JsonParser(forced=True), text, 4)
+    assert [(c["name"], c["arguments"]) for c in calls] == [(c.name, c.arguments) for c in parser.calls]
+
+
+def test_a_complete_call_cut_inside_its_end_marker_is_a_call_with_auto_too() -> None:
+    parser = HermesParser()
+    out = parser.parse("Sure.\n" + CALL[:-4])
+    assert out.content == "Sure.\n" and [(c.name, c.arguments) for c in parser.calls] == [
+        ("get_weather", '{"city": "Paris", "days": 1}')
+    ]
+
+
+def test_auto_keeps_an_unparsed_cut_call_as_content() -> None:
+    text = "Sure.\n" + CALL[:40]
+    parser = HermesParser()
+    assert parser.parse(text).content == text and parser.calls == []

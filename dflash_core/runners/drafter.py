@@ -61,8 +61,8 @@ class DFlashDrafter(Drafter):
         self._step = None
         if self.static is not None:
             assert self.slots is not None
-            torch._dynamo.mark_static_address(self.slots.k)  # mutated in place by a CUDA graph
-            torch._dynamo.mark_static_address(self.slots.v)
+            for t in (*self.slots.k, *self.slots.v):
+                torch._dynamo.mark_static_address(t)  # mutated in place by a CUDA graph
             dims = {0: (0, 1), 1: (0, 1), 2: (0, 1), 3: (0, 1), 4: (0,), 5: (0,), 6: (0,), 7: (0,)}
             self._step = self.static.wrap(self._static_forward, target.device, dynamic=dims)
 
@@ -200,29 +200,34 @@ class DFlashDrafter(Drafter):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert self._step is not None and self.slots is not None
         dev = self.target.device
-        key_pos = torch.arange(kv_bucket(top, self.slots.scratch + 1), device=dev)
+        # context keys are at positions < top <= max_len: a key bucket never spans the scratch column, so never the
+        # cache's columns (a whole-columns slice, contiguous, would be a graph of its own)
+        key_pos = torch.arange(kv_bucket(top, self.slots.scratch), device=dev)
         t = [torch.tensor(x, device=dev) for x in (block, block_pos)]
         rest = [torch.tensor(x, device=dev) for x in (ctx_pos, slots, ctx_len, block_len)]
         return self._step(t[0], t[1], ctx, *rest, key_pos)
 
     @torch.inference_mode()
     def warm_up(self) -> float:
-        """Compile (on CUDA: record the graph of) every (batch, width, context width) bucket at the smallest key
-        bucket; padding only (the scratch column), so no slot's context changes. Returns the seconds it took."""
+        """Compile every (batch, width, context width) bucket, and on CUDA record the graph of each at every key
+        bucket (`StaticShapes.warm_up_keys`); padding only (the scratch column), so no slot's context changes.
+        Returns the seconds it took."""
         if self.static is None or self.slots is None:
             return 0.0
         st, pad = self.static, self.slots.pad_position
         feat_dim = len(self.draft.cfg.target_layer_ids) * self.draft.cfg.hidden_size
         dev, dtype = self.target.device, self.target.dtype
 
-        def run(bb: int, wb: int, cb: int) -> None:
+        keys, calls = st.warm_up_keys(dev, self.slots.scratch)
+
+        def run(bb: int, wb: int, cb: int, kv: int) -> None:
             ctx = torch.zeros(bb, cb, feat_dim, device=dev, dtype=dtype)
             self._run_static([[self.mask_token_id] * wb] * bb, [list(range(wb))] * bb, ctx, [[pad] * cb] * bb,
-                             [0] * bb, [0] * bb, [1] * bb, 1)
+                             [0] * bb, [0] * bb, [1] * bb, kv)
 
         widths = [w for w in st.widths if w >= 2]  # a block is the last token and at least one proposal
-        runs = [(lambda bb=bb, wb=wb, cb=cb: run(bb, wb, cb)) for bb in st.batch_sizes for wb in widths
-                for cb in st.widths]
-        seconds = timed_warm_up("draft", runs, log)
+        runs = [(lambda bb=bb, wb=wb, cb=cb, kv=kv: run(bb, wb, cb, kv)) for bb in st.batch_sizes for wb in widths
+                for cb in st.widths for kv in keys]
+        seconds = timed_warm_up("draft", runs, log, calls)
         st.calls.clear()
         return seconds

@@ -103,9 +103,7 @@ class HybridTarget(NativeTarget):
         linear = [li for li, t in enumerate(types) if t == "linear_attention"]
         self.kv_index = {li: j for j, li in enumerate(attn)}
         self.linear_index = {li: j for j, li in enumerate(linear)}
-        shape = (len(attn), self.max_slots, self.num_kv_heads, self.max_len, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.k_cache, self.v_cache = self._kv_tensors(len(attn), self.max_len)  # per full-attention layer
         la = self.layers[linear[0]].linear_attn if linear else None
         conv_dim, kernel = (la.conv_dim, la.conv_kernel_size) if la is not None else (0, 1)
         hv, dk, dv = (la.num_v_heads, la.head_k_dim, la.head_v_dim) if la is not None else (0, 0, 0)

@@ -1,10 +1,12 @@
 """The `native` target backend: a lean batched forward over a slot KV cache, written by position.
 
 It reuses the weights and modules of a loaded transformers Qwen3 / Llama / Qwen2 model (projections, norms, MLP,
-rotary embedding), but runs its own attention over a static cache `[layers, slots, kv_heads, max_len, head_dim]`:
+rotary embedding), but runs its own attention over a static cache, per layer `[slots, kv_heads, max_len, head_dim]`:
 each request owns a slot, tokens write their keys/values at their positions, and a query sees the keys at positions
 up to its own. Rolling back is just setting the slot's length: rows past it are never visible before they are
-overwritten. Several requests' verify blocks run as ONE forward.
+overwritten. Several requests' verify blocks run as ONE forward. The cache is a list of per-layer tensors, not one
+tensor indexed by layer: a compiled step writes each layer's rows in place into its own graph input (an
+`index_put_`), where a write into a view of one big cache makes inductor copy the whole cache in every step.
 
 With `StaticShapes` (`dflash_core/compile.py`) a verify or plain step is padded to a (batch, width) bucket and runs
 a fixed-shape step, compiled once per bucket: attention over the slot cache up to a power-of-two key bucket with a
@@ -116,18 +118,29 @@ class NativeTarget(TargetRunner):
         self._allocate()
         self._step = None
         if static is not None:
-            torch._dynamo.mark_static_address(self.k_cache)  # mutated in place by a CUDA graph
-            torch._dynamo.mark_static_address(self.v_cache)
-            self._step = static.wrap(self._static_forward, self.device, dynamic={0: (0, 1), 1: (0, 1), 2: (0,)})
+            for t in (*self.k_cache, *self.v_cache):
+                torch._dynamo.mark_static_address(t)  # mutated in place by a CUDA graph
+            # ids, pos [b, n], slots [b], key_pos [L]: one graph over every batch, width and key bucket
+            self._step = static.wrap(self._static_forward, self.device,
+                                     dynamic={0: (0, 1), 1: (0, 1), 2: (0,), 3: (0,)})
 
     def _allocate(self) -> None:
-        """The KV cache: one row per slot and position for every layer; with static steps, a scratch column (at
-        `max_len`) where their padding is written."""
+        """The KV cache: per layer, one tensor `[slots, kv_heads, columns, head_dim]`, a row per slot and position;
+        with static steps, a scratch column (at `max_len`) where their padding is written."""
         columns = self.max_len + (1 if self.static is not None else 0)
-        shape = (self.num_layers, self.max_slots, self.num_kv_heads, columns, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.kv_index = {li: li for li in range(self.num_layers)}  # layer -> its row of k_cache / v_cache
+        self.k_cache, self.v_cache = self._kv_tensors(self.num_layers, columns)
+        self.kv_index = {li: li for li in range(self.num_layers)}  # layer -> its tensor in k_cache / v_cache
+
+    def _kv_tensors(self, layers: int, columns: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        shape = (self.max_slots, self.num_kv_heads, columns, self.head_dim)
+        def one() -> torch.Tensor:
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return [one() for _ in range(layers)], [one() for _ in range(layers)]
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the attention KV cache (every layer's keys and values)."""
+        return sum(t.nbytes for t in (*self.k_cache, *self.v_cache))
 
     @property
     def pads_rows(self) -> bool:
@@ -194,7 +207,7 @@ class NativeTarget(TargetRunner):
             kc[s0, :, p0 : p0 + n] = k[0]
             vc[s0, :, p0 : p0 + n] = v[0].transpose(0, 1)
             keys, values = kc[s0, :, :kv_len][None], vc[s0, :, :kv_len][None]
-        else:
+        else:  # an index_put_ into the layer's own tensor: in place, also under inductor
             kc[batch.slots[:, None], :, batch.pos] = k.transpose(1, 2)
             vc[batch.slots[:, None], :, batch.pos] = v
             keys, values = kc[batch.slots, :, :kv_len], vc[batch.slots, :, :kv_len]
@@ -333,22 +346,25 @@ class NativeTarget(TargetRunner):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert self._step is not None and self.static is not None
         dev = self.device
-        key_pos = torch.arange(kv_bucket(kv_len, self.max_len + 1), device=dev)
+        # at most max_len keys: a key bucket never spans the cache's columns (the scratch one is past it), or the
+        # whole-columns slice, contiguous, would be a graph of its own
+        key_pos = torch.arange(kv_bucket(kv_len, self.max_len), device=dev)
         self.static.calls[(bb, nb)] += 1
         return self._step(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev),
                           torch.tensor(slots, device=dev), key_pos)
 
     @torch.inference_mode()
     def warm_up(self) -> float:
-        """Compile (on CUDA: record the graph of) every (batch, width) bucket at the smallest key bucket; padding
-        only, so no slot's rows change. Returns the seconds it took."""
+        """Compile every (batch, width) bucket, and on CUDA record the graph of every (batch, width, key bucket)
+        shape (`StaticShapes.warm_up_keys`); padding only, so no slot's rows change. Returns the seconds it took."""
         if self.static is None:
             return 0.0
         st, scratch = self.static, self.max_len
+        keys, calls = st.warm_up_keys(self.device, self.max_len)
         runs = [
-            (lambda bb=bb, nb=nb: self._run_static(bb, nb, [[0] * nb] * bb, [[scratch] * nb] * bb, [0] * bb, 1))
-            for bb in st.batch_sizes for nb in st.widths
+            (lambda bb=bb, nb=nb, kv=kv: self._run_static(bb, nb, [[0] * nb] * bb, [[scratch] * nb] * bb, [0] * bb, kv))
+            for bb in st.batch_sizes for nb in st.widths for kv in keys
         ]
-        seconds = timed_warm_up("native target", runs, log)
+        seconds = timed_warm_up("native target", runs, log, calls)
         st.calls.clear()
         return seconds

@@ -37,9 +37,10 @@ def evaluate(
     from dflash_core.sampling import SamplingParams
     from dflash_core.stats import mean_acceptance_length
 
-    # keep the training's thread setting (the engine's default would be 1 on a CPU device)
+    # keep the training's thread setting (the engine's default would be 1 on a CPU device); full blocks, so that the
+    # acceptance length measures the draft, not the adaptive policy's reading of this machine's load
     spec = load_models(EngineConfig(str(target), str(draft), device=device, dtype="float32",
-                                    threads=torch.get_num_threads()))
+                                    threads=torch.get_num_threads(), speculation="fixed"))
     prompts = load_eval_prompts(prompts_path, spec.tokenizer, n)
     params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
     drafts = accepted = tokens = 0

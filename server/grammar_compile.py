@@ -1,0 +1,339 @@
+"""A chat request's grammar tried in a helper process before the server compiles it, so that what llguidance does
+with client input costs only that request.
+
+llguidance is native code: a schema can crash it (SIGSEGV: integer bounds near -2^63), or compile for a minute,
+and in the server's process either would take every stream down or hold a preparation thread past its client.
+A helper (``python -m server.grammar_compile``) builds the request's constraint exactly as the server would
+(``server.constraints.structured_output``), compiles it with the same tokenizer, and walks its first tokens
+(``dflash_core.grammar_checks.probe``); the server compiles it for the engine only once a helper has. A helper
+that crashes, or takes over ``--grammar-compile-timeout`` seconds, is killed and the request gets a 400; one whose
+client disconnects is killed at once. Outcomes are remembered (``CHECKED_KEEP`` constraints), so a repeated
+constraint never waits for a helper again; a grammar the server has compiled already is not checked again.
+
+Helpers start on first use (each reads the tokenizer once), at most ``GRAMMAR_PROCESSES`` at once, at a lower CPU
+priority than the server; one that has grown over ``HELPER_MAX_RSS`` is replaced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import pickle
+import signal
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_core.grammar import LLGuidanceBackend, StructuredOutput
+from dflash_core.grammar_checks import TokenizerSource, probe, short_error
+from server.api_error import APIError, retry_later
+from server.chat_request import ChatCompletionRequest
+from server.parsing import Limiter, give_back_memory
+
+log = logging.getLogger("dflash.server")
+
+GRAMMAR_PROCESSES = 2
+GRAMMAR_MAX_WAITING = 64
+DEFAULT_TIMEOUT_S = 30.0
+HELPER_START_S = 120.0  # reading a large tokenizer takes a second or so; far beyond that the helper is broken
+HELPER_NICE = 10
+HELPER_MAX_RSS = 1024**3  # a helper grown beyond this after a check is replaced (its memory back to the system)
+CHECKED_KEEP = 4096  # constraints whose outcome is remembered
+_HEADER = 8
+_PACKAGE_PARENT = Path(__file__).resolve().parent.parent
+_HELPER_GONE = (ConnectionError, asyncio.IncompleteReadError, BrokenPipeError)
+
+
+def needs_grammar(req: ChatCompletionRequest) -> bool:
+    """Whether ``req`` is constrained by a grammar (a forced tool call or a response_format)."""
+    return req.forced_tool() or req.response_format is not None and req.response_format.type != "text"
+
+
+def _param(req: ChatCompletionRequest) -> str:
+    return "tools" if req.forced_tool() else "response_format"
+
+
+def _constraint_fields(req: ChatCompletionRequest) -> ChatCompletionRequest:
+    """``req`` without what its constraint does not depend on (the messages can be megabytes)."""
+    return req.model_copy(update={"messages": []})
+
+
+def _key(req: ChatCompletionRequest, style: str) -> str:
+    """A digest of what ``req``'s constraint is built from."""
+    fields = req.model_dump(include={"tools", "tool_choice", "parallel_tool_calls", "response_format"},
+                            exclude_none=True, by_alias=True)
+    return hashlib.sha256(json.dumps([fields, style], sort_keys=True, default=str).encode()).hexdigest()
+
+
+class _Helper:
+    """One ``python -m server.grammar_compile`` process: one check at a time."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self._stderr = asyncio.create_task(self._log_stderr())
+
+    @classmethod
+    async def start(cls, source: TokenizerSource) -> _Helper:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "server.grammar_compile",
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            cwd=_PACKAGE_PARENT, start_new_session=True,  # a Ctrl+C in the server's terminal is the server's
+        )
+        helper = cls(proc)
+        try:
+            status, value, _ = await asyncio.wait_for(helper.exchange(source), HELPER_START_S)
+        except BaseException:
+            helper.kill()
+            raise
+        if status != "ready":
+            helper.kill()
+            raise RuntimeError(f"the grammar helper did not start: {value}")
+        return helper
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.returncode is None
+
+    async def _log_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        with contextlib.suppress(Exception):
+            async for line in self.proc.stderr:
+                text = line.decode(errors="replace").rstrip()
+                if text:
+                    log.warning("grammar helper %d: %s", self.proc.pid, text[:2000])
+
+    async def exchange(self, message: Any) -> tuple[str, Any]:
+        """Send ``message``, return the reply (a _HELPER_GONE error when the helper dies meanwhile)."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        self.proc.stdin.write(len(data).to_bytes(_HEADER, "little") + data)
+        await self.proc.stdin.drain()
+        size = int.from_bytes(await self.proc.stdout.readexactly(_HEADER), "little")
+        return pickle.loads(await self.proc.stdout.readexactly(size))
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+
+    async def died(self) -> str:
+        """How the helper ended (waits for it)."""
+        code = await self.proc.wait()
+        if code < 0:
+            with contextlib.suppress(ValueError):
+                return f"killed by {signal.Signals(-code).name}"
+        return f"exit code {code}"
+
+    async def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            await asyncio.wait_for(self.proc.wait(), 2.0)
+        except TimeoutError:
+            self.kill()
+            await self.proc.wait()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stderr, 1.0)
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    """Why a constraint cannot be used; ``lasting``: the same constraint is refused again (a timeout depends on
+    the load: not remembered)."""
+
+    message: str
+    lasting: bool = True
+
+
+class GrammarChecks:
+    """Helper processes that try chat requests' constraints (``check``) before the server compiles them."""
+
+    def __init__(self, backend: LLGuidanceBackend, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 size: int = GRAMMAR_PROCESSES, waiting: int = GRAMMAR_MAX_WAITING) -> None:
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.limiter = Limiter(size, waiting, "grammar compiles")
+        self._source: TokenizerSource | None = None
+        self._idle: list[_Helper] = []
+        self._outcomes: OrderedDict[str, _Refusal | None] = OrderedDict()  # digest -> None (fine) or the 400
+        self._closed = False
+
+    async def check(self, req: ChatCompletionRequest, style: str, request: Any = None) -> None:
+        """Nothing when ``req``'s constraint compiles and runs its first tokens in a helper; else APIError 400
+        naming the problem (a crash and a timeout included). ``request``: the client's Starlette request, whose
+        disconnect stops the check."""
+        if not needs_grammar(req):
+            return
+        key = _key(req, style)
+        if key in self._outcomes:
+            self._outcomes.move_to_end(key)
+            self._raise(req, self._outcomes[key])
+            return
+        work = asyncio.ensure_future(self._check(req, style))
+        if request is None:
+            outcome = await work
+        else:
+            outcome = await _unless_disconnected(work, request)
+        if outcome is None or outcome.lasting:
+            self._outcomes[key] = outcome
+            while len(self._outcomes) > CHECKED_KEEP:
+                self._outcomes.popitem(last=False)
+        self._raise(req, outcome)
+
+    @staticmethod
+    def _raise(req: ChatCompletionRequest, outcome: _Refusal | None) -> None:
+        if outcome is not None:
+            param = _param(req)
+            text = outcome.message
+            raise APIError(400, text if text.startswith(f"{param}:") else f"{param}: {text}", param=param)
+
+    async def _check(self, req: ChatCompletionRequest, style: str) -> _Refusal | None:
+        """None when the constraint can be used, else why not."""
+        async with self.limiter:
+            try:
+                helper = await self._helper()
+            except ValueError as e:  # the tokenizer cannot be read by llguidance: no grammar for anyone
+                return _Refusal(str(e))
+            except (OSError, RuntimeError, TimeoutError, *_HELPER_GONE) as e:
+                log.error("a grammar helper did not start: %s", e)
+                unavailable = retry_later(503, "the grammar compiler is unavailable; retry later", "no_grammar")
+                raise unavailable from None
+            ok = False
+            try:
+                status, value, retire = await asyncio.wait_for(
+                    helper.exchange((_constraint_fields(req), style)), self.timeout_s)
+                ok = not retire
+            except TimeoutError:
+                log.warning("grammar helper %d: the %s constraint took over %g s: killed", helper.proc.pid,
+                            _param(req), self.timeout_s)
+                return _Refusal(f"the grammar did not compile within {self.timeout_s:g} s "
+                                "(--grammar-compile-timeout); simplify the schema", lasting=False)
+            except _HELPER_GONE:
+                how = await helper.died()
+                log.warning("grammar helper %d died (%s) compiling a %s constraint: the request gets a 400",
+                            helper.proc.pid, how, _param(req))
+                return _Refusal(f"the grammar crashed the grammar compiler ({how}); it cannot be used")
+            finally:
+                self._release(helper, ok)
+        if status == "ok":
+            return None
+        if status != "error":  # an unexpected failure on this input: still the request's, never the server's
+            log.warning("grammar helper %d failed on a %s constraint: %s", helper.proc.pid, _param(req), value)
+            return _Refusal(f"the grammar could not be compiled: {value}")
+        return _Refusal(str(value))
+
+    def _release(self, helper: _Helper, ok: bool) -> None:
+        """Back to the idle list when in step; killed otherwise (a timeout, a cancel, a death)."""
+        if ok and not self._closed and helper.alive:
+            self._idle.append(helper)
+        else:
+            helper.kill()
+
+    async def _helper(self) -> _Helper:
+        """An idle helper that is still alive, or a new one."""
+        while self._idle:
+            helper = self._idle.pop()
+            if helper.alive:
+                return helper
+        if self._source is None:
+            self._source = await asyncio.to_thread(self.backend.tokenizer_source)
+        return await _Helper.start(self._source)
+
+    async def close(self) -> None:
+        """Stop the idle helpers (those in use are killed when their check ends)."""
+        self._closed = True
+        helpers, self._idle = self._idle, []
+        for helper in helpers:
+            await helper.close()
+
+
+async def _unless_disconnected(work: asyncio.Future[_Refusal | None], request: Any) -> _Refusal | None:
+    """``work``'s result; cancelled (its helper killed) when the client disconnects first (APIError 400 then,
+    which nobody reads)."""
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await work
+    log.info("client disconnected while its grammar compiled: compile stopped")
+    raise APIError(400, "the client disconnected while its grammar compiled", code="client_disconnected")
+
+
+async def _disconnect(request: Any) -> None:
+    """Returns when the client has disconnected (the body was read already: only the disconnect is left)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---- the helper process ----
+def _compile_and_probe(tokenizer: Any, req: ChatCompletionRequest, style: str) -> None:
+    """``req``'s constraint built, compiled and walked (APIError or ValueError naming the problem)."""
+    from llguidance import LLMatcher
+
+    from dflash_core.grammar import _llguidance_grammar
+    from server.constraints import structured_output
+
+    structured: StructuredOutput | None = structured_output(req, style, None)
+    if structured is None:
+        return
+    grammar = _llguidance_grammar(structured)
+    matcher = LLMatcher(tokenizer, grammar, log_level=0)
+    if matcher.is_error():
+        raise ValueError(f"{structured.kind} does not compile: {short_error(matcher.get_error())}")
+    try:
+        probe(matcher, set(tokenizer.eos_tokens))
+    except ValueError as e:
+        raise ValueError(f"{structured.kind} cannot be used: {e}") from None
+
+
+def _reply(out: Any, status: str, value: Any, retire: bool = False) -> None:
+    """(status, value, retire): retire tells the server that this helper exits now (it starts another)."""
+    data = pickle.dumps((status, value, retire), protocol=pickle.HIGHEST_PROTOCOL)
+    out.write(len(data).to_bytes(_HEADER, "little") + data)
+    out.flush()
+
+
+def main() -> None:
+    """The helper: a TokenizerSource, then (request, style) checks; length-prefixed pickles both ways."""
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # anything printed goes to stderr, never into the replies
+    with contextlib.suppress(OSError):
+        os.nice(HELPER_NICE)
+    inp = sys.stdin.buffer
+    tokenizer = None
+    while True:
+        head = inp.read(_HEADER)
+        if len(head) < _HEADER:
+            return  # the server closed the pipe
+        message = pickle.loads(inp.read(int.from_bytes(head, "little")))
+        if tokenizer is None:
+            tokenizer = message.build()
+            _reply(out, "ready", None)
+            continue
+        try:
+            _compile_and_probe(tokenizer, *message)
+            status, value = "ok", None
+        except APIError as e:
+            status, value = "error", e.message
+        except ValueError as e:
+            status, value = "error", str(e)
+        except Exception as e:  # noqa: BLE001 - reported to the server
+            status, value = "failed", f"{type(e).__name__}: {e}"
+        retire = give_back_memory() > HELPER_MAX_RSS
+        _reply(out, status, value, retire)
+        if retire:
+            return
+
+
+if __name__ == "__main__":
+    main()

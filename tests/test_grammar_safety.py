@@ -1,0 +1,281 @@
+"""Client grammars cannot hurt the server: a schema that crashes llguidance, one that allows no finite value, one
+that fails on its first tokens or one that compiles for too long is a 400 before any token, and the server goes on
+serving; a compile stops when its client leaves; the compiled-grammar cache is bounded by bytes; big bodies being
+parsed are bounded by bytes and their helpers give the memory back.
+
+The server tests run a real ``python -m server`` on the bundled demo target with the real ``openai`` client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from dflash_core.grammar import LLGuidanceBackend, StructuredOutput
+from dflash_core.grammar_checks import check_schema
+from dflash_core.loading import DEMO_TARGET
+from server.api_error import APIError
+from server.parsing import PARSE_MAX_BYTES, ParsePool
+from tests.server_fixtures import ServerProcess, start_server
+
+MODEL = "dflash-demo"
+TIMEOUT_S = 8  # the test server's --grammar-compile-timeout
+# llguidance 1.x dies with SIGSEGV on this integer range (bounds inside int64, near -2^63)
+CRASHING = {"type": "integer", "minimum": -9223372036854775807, "maximum": -9223372036854775807}
+BEYOND_INT64 = {"type": "integer", "minimum": 1e19, "maximum": 1e19}
+REF_ROOT = {"$ref": "#"}
+DEFS_CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+REQUIRED_SELF = {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}
+
+
+def optional_props(n: int, prefix: str = "p") -> dict[str, Any]:
+    """An object of `n` optional integer properties (llguidance: over ~500 fails on the first key, and 8,000
+    compile for tens of seconds)."""
+    return {"type": "object", "properties": {f"{prefix}{i}": {"type": "integer"} for i in range(n)}}
+
+
+# ---- the schema checks and the backend, in-process ----
+@pytest.fixture(scope="module")
+def backend() -> LLGuidanceBackend:
+    tok = AutoTokenizer.from_pretrained(str(DEMO_TARGET))
+    return LLGuidanceBackend(tok, len(tok))
+
+
+@pytest.mark.parametrize("schema", [
+    BEYOND_INT64,
+    {"type": "integer", "minimum": -1e19, "maximum": -1e19},
+    {"type": ["integer", "null"], "maximum": 2**63},
+    {"type": "object", "properties": {"n": {"type": "integer", "exclusiveMinimum": -1e300}}},
+])
+def test_integer_bounds_beyond_int64_do_not_compile(backend: LLGuidanceBackend, schema: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="outside the 64-bit integer range"):
+        backend.compile(StructuredOutput("json_schema", schema))
+
+
+@pytest.mark.parametrize("schema", [REF_ROOT, DEFS_CYCLE, REQUIRED_SELF,
+                                    {"type": "array", "items": {"$ref": "#"}, "minItems": 1},
+                                    {"anyOf": [{"$ref": "#"}, False]}],
+                         ids=["ref-root", "defs-cycle", "required-self", "array-self", "anyof-self"])
+def test_schemas_without_a_finite_value_do_not_compile(backend: LLGuidanceBackend, schema: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="no finite value"):
+        backend.compile(StructuredOutput("json_schema", schema))
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"children": {"type": "array", "items": {"$ref": "#"}}}, "required": ["children"]},
+    {"$defs": {"node": {"type": "object", "properties": {"next": {"anyOf": [{"$ref": "#/$defs/node"},
+                                                                            {"type": "null"}]}},
+                        "required": ["next"]}}, "$ref": "#/$defs/node"},
+    {"type": "object", "properties": {"x": {"$ref": "#"}}},
+    {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
+], ids=["tree", "linked-list", "optional-self", "int64-range"])
+def test_recursive_schemas_with_a_way_out_and_int64_bounds_compile(
+    backend: LLGuidanceBackend, schema: dict[str, Any]
+) -> None:
+    check_schema(schema)
+    backend.compile(StructuredOutput("json_schema", schema))
+
+
+def test_a_grammar_that_allows_nothing_is_an_error_when_it_compiles(backend: LLGuidanceBackend) -> None:
+    # check_schema is conservative; a grammar llguidance finds empty is caught by the first mask, at compile time
+    with pytest.raises(ValueError, match="allows no output"):
+        backend.compile(StructuredOutput("lark", "start: a\na: a \"x\"\n"))
+
+
+def test_the_compiled_grammar_cache_is_bounded_by_bytes() -> None:
+    tok = AutoTokenizer.from_pretrained(str(DEMO_TARGET))
+    probe = LLGuidanceBackend(tok, len(tok))
+    probe.compile(StructuredOutput("json_schema", optional_props(300, "probe")))
+    one = probe.cached_bytes
+    bound = int(2.5 * one)
+    small = LLGuidanceBackend(tok, len(tok), cache_bytes=bound)
+    for i in range(6):
+        small.compile(StructuredOutput("json_schema", optional_props(300, f"k{i}_")))
+        assert small.cached_bytes <= bound
+    assert small.cached_bytes > 0
+    tiny = LLGuidanceBackend(tok, len(tok), cache_bytes=1)  # an entry alone over the bound is not kept
+    tiny.compile(StructuredOutput("json_schema", optional_props(10)))
+    assert tiny.cached_bytes == 0
+
+
+def test_a_precompiled_matchers_first_mask_is_the_grammars(backend: LLGuidanceBackend) -> None:
+    structured = backend.precompile(StructuredOutput("json_schema", {"enum": ["ab", "cd"]}), copies=2)
+    eos = backend.tokenizer.eos_token_id
+    first = backend.matcher(structured, [eos])
+    fresh = backend.compile(StructuredOutput("json_schema", {"enum": ["ab", "cd"]})).matcher([eos])
+    allowed = first.allowed()
+    assert allowed.any() and allowed.tolist() == fresh.allowed().tolist()
+    token = int(allowed.nonzero()[0])
+    assert first.accept(token)
+    after = first.allowed()
+    first.rollback(1)
+    assert first.allowed().tolist() == allowed.tolist() and after.tolist() != allowed.tolist()
+
+
+# ---- a real server ----
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("grammar_safety") / "server.log"
+    srv = start_server(["--model", str(DEMO_TARGET), "--no-speculative", "--device", "cpu",
+                        "--grammar-compile-timeout", str(TIMEOUT_S)], log)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.terminate()
+
+
+def client(server: ServerProcess, timeout: float = 120) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", timeout=timeout, max_retries=0)
+
+
+def with_schema(c: openai.OpenAI, schema: Any, stream: bool = False, max_tokens: int = 12) -> Any:
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    return c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Give a number."}],
+                                     response_format=fmt, max_tokens=max_tokens, temperature=0, stream=stream)
+
+
+def assert_works(server: ServerProcess) -> None:
+    """A structured request still completes, its output following its schema."""
+    out = with_schema(client(server), {"type": "integer", "minimum": 1, "maximum": 9})
+    assert 1 <= int(out.choices[0].message.content) <= 9
+    assert server.proc.poll() is None
+
+
+def test_a_schema_that_crashes_llguidance_is_a_400_and_the_server_serves_on(server: ServerProcess) -> None:
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as err:
+            with_schema(client(server), CRASHING, stream=stream)
+        assert err.value.status_code == 400
+        assert err.value.body["param"] == "response_format" and "crashed" in err.value.body["message"]
+        assert_works(server)
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"n": CRASHING}, "required": ["n"]}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Pick."}],
+                                               tools=[tool], tool_choice="required", max_tokens=20)
+    assert err.value.body["param"] == "tools"
+    assert_works(server)
+
+
+@pytest.mark.parametrize(("schema", "says"), [
+    (BEYOND_INT64, "outside the 64-bit integer range"),
+    (REF_ROOT, "no finite value"),
+    (DEFS_CYCLE, "no finite value"),
+    (REQUIRED_SELF, "no finite value"),
+    (optional_props(600), "max is 2000"),
+], ids=["int-beyond-int64", "ref-root", "defs-cycle", "required-self", "600-optional"])
+def test_bad_grammars_are_400s_before_any_token(server: ServerProcess, schema: Any, says: str) -> None:
+    for stream in (True, False):
+        with pytest.raises(openai.BadRequestError) as err:
+            with_schema(client(server), schema, stream=stream)  # a stream raises before its first chunk
+        body = err.value.body
+        assert body["type"] == "invalid_request_error" and body["param"] == "response_format"
+        assert says in body["message"]
+
+
+def test_a_compile_over_the_timeout_is_a_400(server: ServerProcess) -> None:
+    start = time.monotonic()
+    with pytest.raises(openai.BadRequestError) as err:
+        with_schema(client(server), optional_props(8000, "s"))  # tens of seconds to compile
+    assert f"did not compile within {TIMEOUT_S} s" in err.value.body["message"]
+    assert time.monotonic() - start < TIMEOUT_S + 20
+    assert_works(server)
+
+
+def _tree_cpu_s(pid: int) -> float:
+    """CPU seconds of `pid` (with its reaped children) and of its live children."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def stat(p: int) -> list[str]:
+        text = Path(f"/proc/{p}/stat").read_text()
+        return text[text.rindex(")") + 2:].split()
+
+    fields = stat(pid)
+    total = sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                child = stat(int(entry.name))
+            except (OSError, ValueError):
+                continue
+            if int(child[1]) == pid:
+                total += int(child[11]) + int(child[12])
+    return total / tick
+
+
+def test_a_compile_stops_when_its_client_leaves(server: ServerProcess) -> None:
+    def abandon(i: int) -> None:
+        with pytest.raises(openai.APITimeoutError):
+            with_schema(client(server, timeout=1.0), optional_props(8000, f"g{i}"))
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(abandon, range(2)))
+    time.sleep(1.0)  # the server sees the disconnects and reaps the helpers it killed
+    before = _tree_cpu_s(server.proc.pid)
+    time.sleep(3.0)
+    spent = _tree_cpu_s(server.proc.pid) - before
+    assert spent < 1.0, f"the server spent {spent:.1f} CPU s after its clients left"  # two compiles: ~2 per s
+    assert "compile stopped" in server.log_tail(20000)
+    assert_works(server)
+
+
+# ---- parse helpers ----
+def _big_body(i: int) -> bytes:
+    """A 7.2 MB body of 64 token-id prompts that needs a parse helper."""
+    return json.dumps({"model": "m", "prompt": [[12345 + i + j % 7 for j in range(16000)] for _ in range(64)],
+                       "max_tokens": 1}).encode()
+
+
+def _helper_rss() -> list[int]:
+    """Resident bytes of this process's parse helpers."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if b"server.parsing" not in (entry / "cmdline").read_bytes():
+                continue
+            status = (entry / "status").read_text()
+            ppid = int(status.split("PPid:")[1].split()[0])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == os.getpid():
+            out.append(int(status.split("VmRSS:")[1].split()[0]) * 1024)
+    return out
+
+
+CONTEXT = 40_000  # the prompts fit: the helper parses them whole and sends them back
+
+
+def test_big_bodies_being_parsed_are_bounded_by_bytes_and_helpers_give_memory_back() -> None:
+    async def run() -> tuple[list[Any], list[int], list[int]]:
+        pool = ParsePool()
+        try:
+            with pytest.raises(APIError):  # start the helpers, their baseline
+                await pool.parse("completion", json.dumps({"junk": list(range(3000))}).encode(), 4096)
+            baseline = _helper_rss()
+            bodies = [_big_body(i) for i in range(PARSE_MAX_BYTES // len(_big_body(0)) + 4)]
+            results = await asyncio.gather(*(pool.parse("completion", b, CONTEXT) for b in bodies),
+                                           return_exceptions=True)
+            await asyncio.sleep(1.0)  # the helpers free their memory after replying
+            return results, baseline, _helper_rss()
+        finally:
+            await pool.close()
+
+    results, baseline, after = asyncio.run(run())
+    refused = [e.status for e in results if isinstance(e, APIError)]
+    parsed = [r for r in results if not isinstance(r, BaseException)]
+    assert refused and set(refused) == {429} and len(parsed) + len(refused) == len(results)
+    assert 0 < len(parsed) * len(_big_body(0)) <= PARSE_MAX_BYTES + len(_big_body(0))
+    assert after and max(after) < max(baseline) + 4 * 1024 * 1024, (baseline, after)  # kept: ~10 MB per body
