@@ -8,6 +8,7 @@ compares against.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -28,12 +29,14 @@ from dflash_core.sampling import (
     choose_token_tensor,
     choose_tokens,
     resolve_seed,
+    rows_to_host,
     token_logprobs,
 )
 from dflash_core.scheduler import Chunk, Scheduler
 from dflash_core.slots import SlotPool
 from dflash_core.speculation import StepCosts, WidthPolicy
 from dflash_core.stats import RequestStats
+from dflash_core.timing import StepClock, device_timer
 
 log = logging.getLogger("dflash.engine")
 
@@ -79,6 +82,7 @@ class Engine:
         self.scheduler = Scheduler(self.slots, max_num_batched_tokens, prefill_chunk)
         self.policy = WidthPolicy(self.block_size, speculation, padded=target.pads_rows)
         self.pace = DecodePace()  # decode step times, the speedup estimate
+        self.clock = StepClock(device_timer(target.device))  # every cost sample: device time, read after a sync
 
     # ---- requests ----
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -149,9 +153,14 @@ class Engine:
         return self.scheduler.num_waiting()
 
     def warm_up(self) -> None:
-        """Run two short requests through every path (prefill, draft, verify) before serving: the first forwards
-        of a process are slow (lazy allocations, cold caches), and the width policy's cost measurements should
-        not start from them. The first run's measurements are dropped; the second's seed the policy."""
+        """Before serving, on the thread that will run the steps (recorded CUDA graphs are per thread): the runners'
+        compile warm-up (their static shapes; nothing without them), then two short requests through every path
+        (prefill, draft, verify): the first forwards of a process are slow (lazy allocations, cold caches), and the
+        width policy's cost measurements should not start from them. The first run's measurements are dropped;
+        the second's seed the policy."""
+        self.target.warm_up()
+        if self.drafter is not None:
+            self.drafter.warm_up()
         prompt = list(range(min(8, self.target.vocab_size)))
         for run in range(2):
             rid = self.add_request(prompt, SamplingParams(max_tokens=2 * self.block_size, ignore_eos=True))
@@ -298,18 +307,20 @@ class Engine:
         if not ready:
             return done
         rows = [TargetRow(ch.tokens, ch.start, ch.req.cache) for ch in ready]
+        mark = self.clock.start()
         outs = self._forward_rows(rows, self.drafter is not None, last_only=True)
-        elapsed = time.perf_counter() - t0
-        self.policy.costs.target.add(self._forward_tokens(rows), elapsed)
+        self.clock.stop(mark, functools.partial(self.policy.costs.target.add, self._forward_tokens(rows)))
         for ch, out in zip(ready, outs):
             req = ch.req
-            req.stats.prefill_time += elapsed
             if isinstance(out, BaseException):
                 done.append((req, self._error(req, out)))
                 continue
-            step = self._guarded(req, self._prefilled, ch, out)
+            step = self._guarded(req, self._prefilled, ch, out)  # a last chunk's first token: the host syncs
             if step is not None:
                 done.append((req, step))
+        self.clock.synced()
+        for ch in ready:
+            ch.req.stats.prefill_time += time.perf_counter() - t0
         return done
 
     def _prefilled(self, req: EngineRequest, chunk: Chunk, out: TargetOutput) -> StepOutput | None:
@@ -343,12 +354,14 @@ class Engine:
         items = [DraftRequest(r.draft_state, r.output[-1], r.position, n) for r, n in zip(reqs, wanted) if n > 0]
         if not items:
             return list(plans.values()), failed
-        t0 = time.perf_counter()
+        mark = self.clock.start()
         try:
             for req, prop in zip(drafting, self.drafter.propose_scored(items)):
                 plans[req.id] = (req, prop)
                 req.drafted = True
-            self.policy.costs.draft.add(len(items) * (max(it.n for it in items) + 1), time.perf_counter() - t0)
+            self.clock.stop(mark, functools.partial(self.policy.costs.draft.add,
+                                                    len(items) * (max(it.n for it in items) + 1)))
+            self.clock.synced()  # the proposals are host lists: the drafter has synced
             return list(plans.values()), failed
         except Exception:  # find out which request it was: one by one
             log.warning("batched draft failed; retrying request by request", exc_info=True)
@@ -364,21 +377,24 @@ class Engine:
     def _decode_batch(
         self, reqs: list[EngineRequest], verify_budget: int | None
     ) -> list[tuple[EngineRequest, StepOutput]]:
-        t0 = time.perf_counter()
+        t0, whole = time.perf_counter(), self.clock.start()
         proposed, failed = self._propose_all(reqs)
         done = [(req, self._error(req, exc)) for req, exc in failed]
         if not proposed:
             return done
         keep = self.policy.widths([prop.confidence for _, prop in proposed], verify_budget)
         plans = [(req, self._grammar_cut(req, prop.tokens[:k])) for (req, prop), k in zip(proposed, keep)]
-        t1 = time.perf_counter()
         rows = [TargetRow([req.output[-1], *props], req.position, req.cache) for req, props in plans]
+        mark = self.clock.start()
         outs = self._forward_rows(rows, self.drafter is not None, last_only=False)
+        self.clock.stop(mark, functools.partial(self.policy.costs.target.add, self._forward_tokens(rows)))
+        whole = self.clock.stop(whole)
+        choices = self._choices(plans, outs)  # the step's one host sync: costs are read after it
+        self.clock.synced()
         now = time.perf_counter()
-        self.policy.costs.target.add(self._forward_tokens(rows), now - t1)
         committed = 0
         confidence = {req.id: prop.confidence for req, prop in proposed}
-        for (req, props), out, chosen in zip(plans, outs, self._choices(plans, outs)):
+        for (req, props), out, chosen in zip(plans, outs, choices):
             if isinstance(out, BaseException) or isinstance(chosen, BaseException):
                 done.append((req, self._error(req, out if isinstance(out, BaseException) else chosen)))
                 continue
@@ -387,7 +403,9 @@ class Engine:
             done.append((req, step))
             req.stats.decode_time += now - t0
             committed += step.acceptance_length
-        self.pace.observe(self.policy.costs, len(plans), committed, now - t0, speculative=self.drafter is not None)
+        seconds = self.clock.seconds(whole)  # the step's device time (its wall time if not known yet)
+        self.pace.observe(self.policy.costs, len(plans), committed, now - t0 if seconds is None else seconds,
+                          speculative=self.drafter is not None)
         return done
 
     @staticmethod
@@ -422,17 +440,7 @@ class Engine:
                 rows.append(choose_token_tensor(logits, req.params, req.seed, req.position + 1))
             except Exception as exc:
                 rows.append(exc)
-        tensors = [r for r in rows if isinstance(r, torch.Tensor)]
-        flat = torch.cat(tensors).tolist() if tensors else []
-        result: list[list[int] | BaseException] = []
-        at = 0
-        for r in rows:
-            if isinstance(r, torch.Tensor):
-                result.append(flat[at : at + r.numel()])
-                at += r.numel()
-            else:
-                result.append(r if isinstance(r, BaseException) else [])
-        return result
+        return rows_to_host(rows)
 
     def _accept(self, req: EngineRequest, proposals: list[int], out: TargetOutput, chosen: list[int]) -> StepOutput:
         """Keep the longest prefix of the draft that the target agrees with, plus the target's own next token.

@@ -131,11 +131,13 @@ def set_threads(threads: int | None, device: Any) -> None:
         torch.set_num_threads(threads)
 
 
-def load_models(config: EngineConfig) -> LoadedModels:
+def load_models(config: EngineConfig, warm_up: bool = True) -> LoadedModels:
     """Load target + draft + tokenizer into an Engine, as `config` says. No target means the bundled demo pair.
 
     backend "hf" runs the transformers model one request per forward; "native" runs our batched forward over a
     slot KV cache sized `max_running_requests` x (max_model_len + block); "auto" picks native where supported.
+    `warm_up`: the runners' compile warm-up runs here, on the calling thread; recorded CUDA graphs are per thread,
+    so a caller whose steps run on another thread passes False and runs `Engine.warm_up` there.
     """
     from transformers import AutoTokenizer
 
@@ -170,7 +172,7 @@ def load_models(config: EngineConfig) -> LoadedModels:
         draft_static = static_shapes(config, dev) if isinstance(target_model, NativeTarget) else None
         drafter = DFlashDrafter(draft_model, target_model, block, window=config.draft_window, static=draft_static,
                                 **slot_cache)
-    if isinstance(target_model, NativeTarget) and target_model.static is not None:
+    if warm_up:  # compiled static shapes, here; a server runs `Engine.warm_up` on its worker thread instead
         target_model.warm_up()
         if drafter is not None:
             drafter.warm_up()

@@ -1,5 +1,6 @@
 """How fast decode steps go (``DecodePace``): a decode step's running average time, the speedup estimate over
-plain steps, and the prefill room a step leaves while streams decode. All from measured step costs."""
+plain steps, and the prefill room a step leaves while streams decode. All from measured step costs: device time
+(``dflash_core.timing``), read after the step's sync."""
 
 from __future__ import annotations
 

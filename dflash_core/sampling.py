@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -187,6 +188,22 @@ def choose_token_tensor(logits: torch.Tensor, params: SamplingParams, seed: int,
 def choose_tokens(logits: torch.Tensor, params: SamplingParams, seed: int, first_position: int) -> list[int]:
     """`choose_token_tensor`, on the host."""
     return choose_token_tensor(logits, params, seed, first_position).tolist()
+
+
+def rows_to_host(rows: Sequence[torch.Tensor | BaseException | None]) -> list[list[int] | BaseException]:
+    """Every row's token ids on the host, in ONE transfer for all rows (an exception stays in its place, None is
+    an empty row)."""
+    tensors = [r for r in rows if isinstance(r, torch.Tensor)]
+    flat = torch.cat(tensors).tolist() if tensors else []
+    result: list[list[int] | BaseException] = []
+    at = 0
+    for r in rows:
+        if isinstance(r, torch.Tensor):
+            result.append(flat[at : at + r.numel()])
+            at += r.numel()
+        else:
+            result.append(r if isinstance(r, BaseException) else [])
+    return result
 
 
 def vocab_last_nonzero(probs: torch.Tensor) -> torch.Tensor:

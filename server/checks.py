@@ -67,7 +67,7 @@ def check_ready(state: ServerState) -> tuple[LoadedModels, Worker]:
     """The models and the worker; 503 (with ``Retry-After``) while loading, after a failed load, or draining."""
     if state.draining:
         raise retry_later(503, "server is shutting down", "shutting_down")
-    if state.models is None or state.worker is None or not state.worker.is_alive():
+    if state.models is None or state.worker is None or not state.worker.ready:
         message = f"model failed to load: {state.load_error}" if state.load_error else "model is loading"
         raise retry_later(503, message, "model_not_ready")
     return state.models, state.worker

@@ -50,11 +50,15 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        """Models loaded and the worker running."""
-        return self.worker is not None and self.worker.is_alive()
+        """Models loaded, warmed up, and the worker running."""
+        return self.worker is not None and self.worker.ready
 
-    def install(self, models: LoadedModels) -> None:
-        """Start serving ``models``: metrics, worker thread."""
+    def install(
+        self, models: LoadedModels, warm_up: bool = False, on_error: Callable[[str], None] | None = None
+    ) -> None:
+        """Start serving ``models``: metrics, worker thread. With ``warm_up`` the worker first runs
+        ``Engine.warm_up`` on its own thread (the runners' compiled shapes, then the cost measurements: cold first
+        forwards must not reach the width policy), and is not ready before it has; a failure is a load error."""
         s = self.settings
         self.served_model_name = s.served_model_name or display_name(models.target_name)
         self.metrics = ServerMetrics(
@@ -84,6 +88,8 @@ class ServerState:
             self.metrics,
             max_running=s.max_running_requests,
             max_waiting=s.max_waiting_requests,
+            warm_up=models.engine.warm_up if warm_up else None,
+            on_warm_up_error=lambda exc: self._failed(exc, on_error),
         )
         worker.start()
         self.models = models
@@ -109,15 +115,19 @@ class ServerState:
         if s.speculative and s.draft is None and s.target is not None:
             log.warning("no draft model given: serving the target autoregressively")
         try:
-            models = load_models(EngineConfig.from_settings(s))  # without --speculative: no draft
-            models.engine.warm_up()  # before serving: cold first forwards must not reach the width policy
-            self.install(models)
+            # without --speculative: no draft; the runners warm up on the worker thread (Engine.warm_up)
+            models = load_models(EngineConfig.from_settings(s), warm_up=False)
+            self.install(models, warm_up=True, on_error=on_error)
         except Exception as e:
-            self.load_error = " ".join(f"{type(e).__name__}: {e}".split())  # one line
-            # one clear line; the traceback only with --log-level debug
-            log.error("loading the models failed: %s", self.load_error, exc_info=log.isEnabledFor(logging.DEBUG))
-            if on_error is not None:
-                on_error(self.load_error)
+            self._failed(e, on_error)
+
+    def _failed(self, e: Exception, on_error: Callable[[str], None] | None) -> None:
+        """Loading or warming up failed: /health says why, in one line."""
+        self.load_error = " ".join(f"{type(e).__name__}: {e}".split())  # one line
+        # one clear line; the traceback only with --log-level debug
+        log.error("loading the models failed: %s", self.load_error, exc_info=log.isEnabledFor(logging.DEBUG))
+        if on_error is not None:
+            on_error(self.load_error)
 
 
 def display_name(name: str | None) -> str:

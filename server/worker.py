@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -147,8 +148,12 @@ class Worker:
     """Owns the engine in one thread; thread-safe ``submit`` / ``abort`` for the event loop."""
 
     def __init__(
-        self, engine: ServingEngine, tokenizer: Any, metrics: ServerMetrics, *, max_running: int, max_waiting: int
+        self, engine: ServingEngine, tokenizer: Any, metrics: ServerMetrics, *, max_running: int, max_waiting: int,
+        warm_up: Callable[[], Any] | None = None, on_warm_up_error: Callable[[Exception], None] | None = None,
     ) -> None:
+        """``warm_up`` (``Engine.warm_up``) runs first on the worker's own thread, the one that runs the steps
+        (recorded CUDA graphs are per thread); the worker is ``ready`` once it has run. If it raises, the thread
+        ends and ``on_warm_up_error`` gets the exception."""
         self._engine = engine
         self._tokenizer = tokenizer
         self._metrics = metrics
@@ -162,6 +167,10 @@ class Worker:
         self._by_uid: dict[int, _Request] = {}
         self._closed: WorkerError | None = None  # set by fail_all: later requests fail at once with it
         self._thread = threading.Thread(target=self._run, name="dflash-worker", daemon=True)
+        self._warm_up, self._on_warm_up_error = warm_up, on_warm_up_error
+        self._warm = threading.Event()  # set once warmed up: requests are served from then on
+        if warm_up is None:
+            self._warm.set()
         self.num_running = 0
         self.num_waiting = 0
 
@@ -185,6 +194,11 @@ class Worker:
     def is_alive(self) -> bool:
         """Whether the worker thread runs."""
         return self._thread.is_alive()
+
+    @property
+    def ready(self) -> bool:
+        """Warmed up, and the thread runs: requests are served."""
+        return self._warm.is_set() and self._thread.is_alive()
 
     @property
     def in_flight(self) -> int:
@@ -216,6 +230,17 @@ class Worker:
     # --- worker thread ----------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self._warm_up is not None:  # the thread that runs the steps warms up (CUDA graphs are per thread)
+            t0 = time.perf_counter()
+            try:
+                self._warm_up()
+            except Exception as exc:
+                if self._on_warm_up_error is not None:
+                    self._on_warm_up_error(exc)
+                self._shutdown()
+                return
+            log.info("warmed up on the worker thread in %.1f s", time.perf_counter() - t0)
+            self._warm.set()
         while True:
             try:
                 if self._iteration():

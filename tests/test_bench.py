@@ -283,7 +283,7 @@ def test_memory_estimate_matches_real_models_and_caches(pair: tuple[Path, Path])
         return sum(p.numel() for p in module.parameters())
 
     def tensors(obj: object) -> int:
-        return sum(t.nbytes for t in vars(obj).values() if isinstance(t, torch.Tensor))
+        return allocated_bytes(obj)
 
     assert est["target_params"] == params(engine.target.model)
     assert est["draft_params"] == params(engine.drafter.draft)
@@ -294,7 +294,6 @@ def test_memory_estimate_matches_real_models_and_caches(pair: tuple[Path, Path])
 def test_memory_estimate_of_hybrid_and_moe_presets(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Qwen3.5 / Qwen3.6 (hybrid) and gpt-oss (MoE) presets: parameters as transformers counts them, KV rows for
     full-attention layers only plus the Gated DeltaNet state; a tiny hybrid's estimate is what the runner allocates."""
-    import torch
 
     from dflash_core.config import EngineConfig
     from dflash_core.loading import load_models
@@ -317,7 +316,7 @@ def test_memory_estimate_of_hybrid_and_moe_presets(tmp_path: Path, capsys: pytes
     est = bench.memory_estimate(str(target), str(draft), dtype="float32", max_model_len=64, max_running_requests=3)
     engine = load_models(EngineConfig(str(target), str(draft), device="cpu", dtype="float32", max_model_len=64,
                                       max_running_requests=3, backend="native")).engine
-    allocated = sum(t.nbytes for t in vars(engine.target).values() if isinstance(t, torch.Tensor))
+    allocated = allocated_bytes(engine.target)
     assert est["target_params"] == sum(p.numel() for p in engine.target.model.parameters())
     assert est["target_kv_bytes"] + est["target_state_bytes"] == allocated
 
@@ -516,3 +515,14 @@ def test_stall_runs_against_a_server(server: ServerProcess, tmp_path: Path, caps
     assert data["mode"] == "stall" and data["streams"] == 2 and data["gaps_during_prefill"] > 0
     assert abs(data["long_prompt_tokens"] - 300) <= 30  # sized from the server's own token counts
     assert data["median_gap_s"] > 0 and data["stall_ratio"] == data["max_gap_during_prefill_s"] / data["median_gap_s"]
+
+
+def allocated_bytes(obj: object) -> int:
+    """Bytes of the tensors an object holds as attributes, directly or in lists (one cache tensor per layer)."""
+    import torch
+
+    total = 0
+    for value in vars(obj).values():
+        items = value if isinstance(value, (list, tuple)) else [value]
+        total += sum(t.nbytes for t in items if isinstance(t, torch.Tensor))
+    return total

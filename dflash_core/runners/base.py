@@ -94,6 +94,12 @@ class TargetRunner(ABC):
         """One request's tokens at positions start.. (prefill or verify)."""
         return self.forward_batch([TargetRow(token_ids, start, cache)], features, last_only)[0]
 
+    def warm_up(self) -> float:
+        """Compile (and on CUDA record the graphs of) the runner's static shapes; the seconds it took (0.0: nothing
+        to warm up). Run by `Engine.warm_up`, on the thread that will run the steps: recorded graphs are per
+        thread."""
+        return 0.0
+
 
 class DraftRequest(NamedTuple):
     """What the engine asks a drafter for one request: `n` tokens after `last_token` at `position`."""
@@ -136,6 +142,10 @@ class Drafter(ABC):
     def propose(self, state: Any, last_token: int, position: int, n: int) -> list[int]:
         """One request's proposal: `n` tokens after `last_token` at `position`."""
         return self.propose_batch([DraftRequest(state, last_token, position, n)])[0]
+
+    def warm_up(self) -> float:
+        """As `TargetRunner.warm_up`: the drafter's static shapes, on the thread that will run the steps."""
+        return 0.0
 
     def propose_scored(self, items: Sequence[DraftRequest]) -> list[Proposal]:
         """Each item's proposal with the draft's probability of every proposed token (the width policy cuts a
