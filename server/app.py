@@ -153,11 +153,14 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         await state.chat_setup.check(req, request)  # its grammar tried in a helper process first: a crash is a 400
         # the prompt, then the output plan and its grammar compiled (seconds for a big schema): off the event loop,
         # and off the engine's thread, which only copies the compiled grammar
-        prompt, plan, structured = await prepare(
-            state.tokenize_limiter, size, not is_cheap(body), state.chat_setup.prepare, state.prompts, req
-        )
         defaults = state.generation_defaults
-        max_tokens = completion_budget(req.requested_max_tokens(), len(prompt), max_model_len, "messages", defaults)
+
+        def budget(prompt_len: int) -> int:  # the completion budget: the thinking of a forced tool call fits in it
+            return completion_budget(req.requested_max_tokens(), prompt_len, max_model_len, "messages", defaults)
+
+        prompt, max_tokens, plan, structured = await prepare(
+            state.tokenize_limiter, size, not is_cheap(body), state.chat_setup.prepare, state.prompts, req, budget
+        )
         vocab = state.prompts.vocab_size
         params = [
             sampling_params(req, max_tokens, req.num_logprobs(), i, defaults, structured, vocab) for i in range(req.n)

@@ -12,6 +12,7 @@ covers the thinking itself, with a budget after which it ends the thinking (``Ch
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 from dflash_core.grammar import GrammarBackend, LLGuidanceBackend, StructuredOutput
@@ -62,12 +63,14 @@ class ChatSetup:
         return prompt_thinking(tail)
 
     def prepare(
-        self, prompts: PromptBuilder, req: ChatCompletionRequest
-    ) -> tuple[list[int], OutputPlan, StructuredOutput | None]:
-        """``req``'s prompt ids, output plan and constraint (compiled): the whole preparation of a chat request, run
-        in a preparation thread (never on the event loop or the engine's thread)."""
+        self, prompts: PromptBuilder, req: ChatCompletionRequest, budget: Callable[[int], int]
+    ) -> tuple[list[int], int, OutputPlan, StructuredOutput | None]:
+        """``req``'s prompt ids, its completion budget (``budget`` of the prompt's length: max_tokens, a default or
+        the context's room; 400 when nothing fits), output plan and constraint (compiled): the whole preparation of a
+        chat request, run in a preparation thread (never on the event loop or the engine's thread)."""
         prompt = prompts.chat(req)
-        return (prompt, *self.plan(req, prompt))
+        max_tokens = budget(len(prompt))
+        return (prompt, max_tokens, *self.plan(req, prompt, max_tokens))
 
     async def check(self, req: ChatCompletionRequest, request: Any = None) -> None:
         """Before ``prepare``: ``req``'s constraint tried in a grammar helper process, which a crash, a compile
@@ -81,7 +84,9 @@ class ChatSetup:
         if self.checks is not None:
             await self.checks.close()
 
-    def plan(self, req: ChatCompletionRequest, prompt: list[int]) -> tuple[OutputPlan, StructuredOutput | None]:
+    def plan(
+        self, req: ChatCompletionRequest, prompt: list[int], max_tokens: int
+    ) -> tuple[OutputPlan, StructuredOutput | None]:
         """How ``req``'s output is read and constrained, the constraint compiled when there is a grammar backend
         (400 for ``auto`` tool choice without a parser, or a constraint that does not compile).
 
@@ -97,7 +102,7 @@ class ChatSetup:
         start_after = self.end_ids if reasoning_open and not covers_thinking else None
         options: dict[str, Any] = {"marker_ids": self.marker_ids}
         if covers_thinking:
-            options["thinking_budget"], options["thinking_open"] = self.thinking_budget(req, thinking)
+            options["thinking_budget"], options["thinking_open"] = self.thinking_budget(max_tokens, thinking)
         structured = structured_output(req, style, start_after or None, options)
         if structured is not None and self.grammar is not None:
             structured = compile_structured(self.grammar, structured, req)
@@ -133,11 +138,10 @@ class ChatSetup:
                 out[marker] = int(ids[0])
         return out
 
-    def thinking_budget(self, req: ChatCompletionRequest, thinking: PromptThinking) -> tuple[int, bool]:
+    def thinking_budget(self, max_tokens: int, thinking: PromptThinking) -> tuple[int, bool]:
         """(characters, opened) of the thinking a forced tool call allows before its grammar forces the end of
-        thinking: at most THINKING_BUDGET_CHARS and half of ``max_tokens`` (a token holds at least one character
-        of ASCII text, so the call keeps the other half); opened: the output starts inside the thinking."""
+        thinking: at most THINKING_BUDGET_CHARS and half of the request's completion budget (``max_tokens``, a
+        default or the context's room: a token holds at least one character of ASCII text, so the call keeps the
+        other half); opened: the output starts inside the thinking."""
         assert self.reasoning is not None
-        requested = req.requested_max_tokens()
-        budget = THINKING_BUDGET_CHARS if requested is None else min(THINKING_BUDGET_CHARS, requested // 2)
-        return budget, self.reasoning.starts_in_reasoning(thinking)
+        return min(THINKING_BUDGET_CHARS, max_tokens // 2), self.reasoning.starts_in_reasoning(thinking)

@@ -132,5 +132,5 @@ def json_or_none(text: str) -> Any:
     """The JSON value of ``text``, or None when it is not JSON."""
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None

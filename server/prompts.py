@@ -204,7 +204,7 @@ def _message_dict(m: ChatMessage) -> dict[str, Any]:
         for c in m.tool_calls:
             try:
                 arguments: Any = json.loads(c.function.arguments)
-            except ValueError:
+            except (ValueError, RecursionError):  # nested past the parser's depth: kept as the client's text
                 arguments = c.function.arguments
             if not isinstance(arguments, dict):
                 arguments = c.function.arguments

@@ -61,9 +61,13 @@ def sampling_params(
     """The engine's parameters for choice ``i`` of ``req`` (400 when impossible); seeds differ per choice.
 
     A field the request omits takes the model's generation default (``--generation-config``), else the neutral
-    value; ``structured`` is the request's output constraint (``server.constraints``).
+    value; ``structured`` is the request's output constraint (``server.constraints``). Stop strings do not apply to
+    a required / named tool choice.
     """
     biases = req.token_biases()
+    # A required / named tool choice's grammar decides where the answer ends: a stop string inside a call (a "{",
+    # "<tool_call>") would cut it and return no call at all, so stop strings do not apply to it.
+    forced_tools = isinstance(req, ChatCompletionRequest) and req.forced_tool()
     if vocab_size is not None and any(t >= vocab_size for t in biases):
         raise APIError(400, f"logit_bias: token ids must be in [0, {vocab_size})", param="logit_bias")
     params = SamplingParams(
@@ -81,7 +85,7 @@ def sampling_params(
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
-        stop=req.stop_list(),
+        stop=[] if forced_tools else req.stop_list(),
         structured=structured,
     )
     try:

@@ -146,7 +146,7 @@ class _CallState:
         try:
             obj = json.loads(text)
             scan = scan_object(text)
-        except (ValueError, InvalidCall):
+        except (ValueError, RecursionError, InvalidCall):  # RecursionError: nested past the parser's depth
             self.invalid = True
             return None, out
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or self.invalid or self.name is None:

@@ -390,3 +390,25 @@ def test_request_checks() -> None:
             assert r.json()["choices"][0]["text"] == "ok"
 
     run(test)
+
+
+@pytest.mark.parametrize("depth", [100, 900, 1000, 5000])
+def test_deeply_nested_tool_call_arguments_are_never_a_500(depth: int) -> None:
+    """An earlier assistant call's `arguments` nested past the JSON parser's depth: kept as the client's text (200),
+    or refused with a 400 envelope, never a 500."""
+    app = make_app(new_engine())
+    nested = '{"a":' * depth + "1" + "}" * depth
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": nested}}
+    body = {"model": MODEL, "max_tokens": 8,
+            "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "1"}, {"role": "user", "content": "y"}]}
+
+    async def test() -> None:
+        async with serving(app) as client:
+            r = await client.post("/v1/chat/completions", json=body)
+            if r.status_code != 200:
+                envelope(r, 400)
+            r = await client.post("/v1/chat/completions", json=chat("hi"))
+            assert r.status_code == 200
+
+    run(test)

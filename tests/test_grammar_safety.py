@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
+import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,12 +26,16 @@ from transformers import AutoTokenizer
 from dflash_core.grammar import LLGuidanceBackend, StructuredOutput
 from dflash_core.grammar_checks import check_schema
 from dflash_core.loading import DEMO_TARGET
+from server import grammar_compile
 from server.api_error import APIError
+from server.chat_request import ChatCompletionRequest
+from server.grammar_compile import GrammarChecks, _Helper
 from server.parsing import PARSE_MAX_BYTES, ParsePool
 from tests.server_fixtures import ServerProcess, start_server
 
 MODEL = "dflash-demo"
 TIMEOUT_S = 8  # the test server's --grammar-compile-timeout
+SHORT_TIMEOUT_S = 0.1  # the timeout test server's
 # llguidance 1.x dies with SIGSEGV on this integer range (bounds inside int64, near -2^63)
 CRASHING = {"type": "integer", "minimum": -9223372036854775807, "maximum": -9223372036854775807}
 BEYOND_INT64 = {"type": "integer", "minimum": 1e19, "maximum": 1e19}
@@ -42,6 +48,13 @@ def optional_props(n: int, prefix: str = "p") -> dict[str, Any]:
     """An object of `n` optional integer properties (llguidance: over ~500 fails on the first key, and 8,000
     compile for tens of seconds)."""
     return {"type": "object", "properties": {f"{prefix}{i}": {"type": "integer"} for i in range(n)}}
+
+
+def required_props(n: int) -> dict[str, Any]:
+    """A valid object of `n` required properties (llguidance, quadratic: 6,000 compile in about 0.4 s, 12,500
+    (241 KB, under the 256 KiB a request's schemas may hold) in 1 to 2.5 s)."""
+    names = [f"{i:x}" for i in range(n)]
+    return {"type": "object", "properties": {k: {} for k in names}, "required": names}
 
 
 # ---- the schema checks and the backend, in-process ----
@@ -184,13 +197,30 @@ def test_bad_grammars_are_400s_before_any_token(server: ServerProcess, schema: A
         assert says in body["message"]
 
 
-def test_a_compile_over_the_timeout_is_a_400(server: ServerProcess) -> None:
-    start = time.monotonic()
-    with pytest.raises(openai.BadRequestError) as err:
-        with_schema(client(server), optional_props(8000, "s"))  # tens of seconds to compile
-    assert f"did not compile within {TIMEOUT_S} s" in err.value.body["message"]
-    assert time.monotonic() - start < TIMEOUT_S + 20
-    assert_works(server)
+@pytest.fixture(scope="module")
+def short_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("grammar_timeout") / "server.log"
+    srv = start_server(["--model", str(DEMO_TARGET), "--no-speculative", "--device", "cpu",
+                        "--grammar-compile-timeout", str(SHORT_TIMEOUT_S)], log)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.terminate()
+
+
+def test_a_compile_over_the_timeout_is_a_400(short_server: ServerProcess) -> None:
+    slow = required_props(12500)  # valid, and over 10x the timeout to compile on any CPU
+    for _ in range(2):  # the second is refused at once: a timeout is remembered for a while
+        start = time.monotonic()
+        with pytest.raises(openai.BadRequestError) as err:
+            with_schema(client(short_server), slow)
+        assert f"did not compile within {SHORT_TIMEOUT_S} s" in err.value.body["message"]
+        assert time.monotonic() - start < 20
+    assert short_server.log_tail(20000).count("took over") == 1
+    out = client(short_server).chat.completions.create(model=MODEL, max_tokens=2,
+                                                        messages=[{"role": "user", "content": "Hi"}])
+    assert out.choices[0].finish_reason and short_server.proc.poll() is None
 
 
 def _tree_cpu_s(pid: int) -> float:
@@ -279,3 +309,141 @@ def test_big_bodies_being_parsed_are_bounded_by_bytes_and_helpers_give_memory_ba
     assert refused and set(refused) == {429} and len(parsed) + len(refused) == len(results)
     assert 0 < len(parsed) * len(_big_body(0)) <= PARSE_MAX_BYTES + len(_big_body(0))
     assert after and max(after) < max(baseline) + 4 * 1024 * 1024, (baseline, after)  # kept: ~10 MB per body
+
+
+# ---- the grammar checks, in-process ----
+def chat(schema: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+
+
+class Client:
+    """A Starlette request's receive(): the client disconnects after `leave_s` (never when None)."""
+
+    def __init__(self, leave_s: float | None = None) -> None:
+        self.leave_s = leave_s
+
+    async def receive(self) -> dict[str, str]:
+        await asyncio.sleep(1e9 if self.leave_s is None else self.leave_s)
+        return {"type": "http.disconnect"}
+
+
+@pytest.fixture
+def runs(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Counts the helpers' checks (``n``); ``kills``: signals sent to the helper as each next check starts."""
+    seen: dict[str, Any] = {"n": 0, "kills": []}
+    exchange = _Helper.exchange
+
+    async def counted(self: _Helper, message: Any) -> Any:
+        if isinstance(message, tuple):
+            seen["n"] += 1
+            if seen["kills"]:
+                os.kill(self.proc.pid, seen["kills"].pop(0))
+                await self.proc.wait()
+        return await exchange(self, message)
+
+    monkeypatch.setattr(_Helper, "exchange", counted)
+    return seen
+
+
+async def _outcome(checks: GrammarChecks, schema: Any, request: Any = None) -> str:
+    """"ok", or the APIError's status and message."""
+    try:
+        await checks.check(chat(schema), "hermes", request)
+    except APIError as e:
+        return f"{e.status} {e.message}"
+    return "ok"
+
+
+def test_a_helper_killed_from_outside_is_retried_and_never_remembered(backend: LLGuidanceBackend,
+                                                                    runs: dict[str, Any]) -> None:
+    async def go() -> None:
+        checks = GrammarChecks(backend, timeout_s=60)
+        try:
+            runs["kills"] = [signal.SIGKILL]  # the OOM killer, say: the check goes on with a fresh helper
+            assert await _outcome(checks, required_props(18)) == "ok" and runs["n"] == 2
+            assert await _outcome(checks, required_props(18)) == "ok" and runs["n"] == 2  # remembered
+            runs["kills"] = [signal.SIGKILL, signal.SIGTERM]  # killed twice: a 400 this time, not remembered
+            assert "killed by SIGTERM" in await _outcome(checks, required_props(19))
+            assert await _outcome(checks, required_props(19)) == "ok" and runs["n"] == 5
+            said = await _outcome(checks, CRASHING)  # a crash that repeats on the retry is remembered
+            assert "crashed" in said and "SIGSEGV" in said and runs["n"] == 7
+            assert await _outcome(checks, CRASHING) == said and runs["n"] == 7
+        finally:
+            await checks.close()
+
+    asyncio.run(go())
+
+
+def test_identical_checks_share_one_helper_run_and_a_timeout_is_remembered(backend: LLGuidanceBackend,
+                                                                          runs: dict[str, Any]) -> None:
+    slow = required_props(12500)
+
+    async def go() -> None:
+        checks = GrammarChecks(backend, timeout_s=0.1)
+        try:
+            await _outcome(checks, {"type": "integer"})  # a helper started
+            start = time.monotonic()
+            said = await asyncio.gather(*(_outcome(checks, slow) for _ in range(4)))
+            assert all("did not compile within 0.1 s" in s for s in said) and runs["n"] == 2, said
+            assert time.monotonic() - start < 10
+            assert await _outcome(checks, slow) == said[0] and runs["n"] == 2  # no helper: refused at once
+        finally:
+            await checks.close()
+
+    asyncio.run(go())
+
+
+def test_a_shared_check_goes_on_until_its_last_client_leaves(backend: LLGuidanceBackend,
+                                                               runs: dict[str, Any]) -> None:
+    async def go() -> None:
+        checks = GrammarChecks(backend, timeout_s=60)
+        try:
+            await asyncio.gather(_outcome(checks, {"type": "integer"}), _outcome(checks, {"type": "string"}))
+            schema = required_props(6000)  # two helpers idle: the client leaving leaves its compile running
+            said = await asyncio.gather(_outcome(checks, schema, Client(0.2)), _outcome(checks, schema, Client()))
+            assert "client disconnected" in said[0] and said[1] == "ok" and runs["n"] == 3
+            schema = required_props(12500)
+            said = await asyncio.gather(_outcome(checks, schema, Client(0.05)), _outcome(checks, schema, Client(0.1)))
+            assert all("client disconnected" in s for s in said)
+            await asyncio.sleep(0.2)
+            assert runs["n"] == 4 and len(checks._idle) == 1  # its helper killed
+        finally:
+            await checks.close()
+
+    asyncio.run(go())
+
+
+def test_a_helper_reply_over_the_size_cap_is_refused(backend: LLGuidanceBackend, runs: dict[str, Any],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    async def go() -> None:
+        checks = GrammarChecks(backend, timeout_s=60)
+        try:
+            await _outcome(checks, {"type": "integer"})  # the helper started (its ready reply is short)
+            monkeypatch.setattr(grammar_compile, "REPLY_MAX_BYTES", 10)
+            assert "failed on this grammar" in await _outcome(checks, BEYOND_INT64)
+            monkeypatch.setattr(grammar_compile, "REPLY_MAX_BYTES", 64 * 1024)
+            assert "outside the 64-bit" in await _outcome(checks, BEYOND_INT64)  # not remembered
+        finally:
+            await checks.close()
+
+    asyncio.run(go())
+    with pytest.raises(grammar_compile._BadReply):
+        grammar_compile._read_reply(b"\x80\x05N.")  # a pickle: never loaded
+
+
+def test_a_helper_that_does_not_start_says_why(backend: LLGuidanceBackend, monkeypatch: pytest.MonkeyPatch,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(grammar_compile, "HELPER_START_S", 0.001)
+
+    async def go() -> None:
+        checks = GrammarChecks(backend)
+        try:
+            assert (await _outcome(checks, {"type": "integer"})).startswith("503")
+        finally:
+            await checks.close()
+
+    with caplog.at_level(logging.ERROR, logger="dflash.server"):
+        asyncio.run(go())
+    assert "a grammar helper did not start: no reply within" in caplog.text

@@ -219,7 +219,7 @@ def test_reasoning_effort_and_the_grammar_start_follow_the_prompt() -> None:
         req = parse_request("chat", json.dumps(body).encode())
         prompt = builder.chat(req)
         assert tok.decode(prompt).endswith("</think>\n\n") is closed
-        plan, structured = setup.plan(req, prompt)
+        plan, structured = setup.plan(req, prompt, 256)
         assert structured is not None and structured.kind == "json_object"
         assert structured.start_after == (None if closed else end_ids)  # the grammar waits for the reasoning's end
         parts = plan.output().parse("a</think>b")
