@@ -125,7 +125,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     m("reduced_vocab_ids_not_mapped", "dflash_core/draft.py", "DFlashDraft.target_ids",
       "return ids if self.d2t is None else ids + self.d2t[ids]", "return ids", "tests/test_speculators.py"),
     m("rope_attention_scaling_dropped", "dflash_core/draft.py", "DFlashDraft.rope",
-      "if self._rope.attention_scaling != 1.0:", "if False:", "tests/test_draft_rope.py"),
+      "if self._rope_scaling != 1.0:", "if False:", "tests/test_draft_rope.py"),
     # the slot pool: one slot per running request, shared by its target and draft caches
     m("slot_never_returned", "dflash_core/slots.py", "SlotPool.release",
       "        self._free.append(slot)\n", "\n", "tests/test_native.py", "tests/test_llm.py"),
