@@ -21,24 +21,21 @@ priority than the server; one that has grown over ``HELPER_MAX_RSS`` is replaced
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 import logging
 import math
-import os
 import pickle
 import signal
-import sys
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from dflash_core.grammar import LLGuidanceBackend, StructuredOutput
 from dflash_core.grammar_checks import TokenizerSource, probe, short_error
 from server.api_error import APIError, retry_later
 from server.chat_request import ChatCompletionRequest
+from server.helper_process import HelperProcess, helper_streams, read_frame, write_frame
 from server.parsing import Limiter, give_back_memory
 
 log = logging.getLogger("dflash.server")
@@ -47,7 +44,6 @@ GRAMMAR_PROCESSES = 2
 GRAMMAR_MAX_WAITING = 64
 DEFAULT_TIMEOUT_S = 30.0
 HELPER_START_S = 120.0  # reading a large tokenizer takes a second or so; far beyond that the helper is broken
-HELPER_NICE = 10
 HELPER_MAX_RSS = 1024**3  # a helper grown beyond this after a check is replaced (its memory back to the system)
 CHECKED_KEEP = 4096  # constraints whose outcome is remembered
 TIMEOUT_KEEP_S = 600.0  # how long a constraint that timed out is refused without trying it again
@@ -55,8 +51,6 @@ REPLY_MAX_BYTES = 64 * 1024  # a helper's reply (status, message, retire) as JSO
 REPLY_VALUE_CHARS = 4000  # the helper cuts its messages to this
 # signals a crash in native code dies of (a grammar that does this twice is refused for good); others come from outside
 CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS, signal.SIGILL, signal.SIGFPE})
-_HEADER = 8
-_PACKAGE_PARENT = Path(__file__).resolve().parent.parent
 _HELPER_GONE = (ConnectionError, asyncio.IncompleteReadError, BrokenPipeError)
 
 
@@ -85,21 +79,13 @@ def _key(req: ChatCompletionRequest, style: str) -> str:
     return hashlib.sha256(json.dumps([fields, style], sort_keys=True, default=str).encode()).hexdigest()
 
 
-class _Helper:
+class _Helper(HelperProcess):
     """One ``python -m server.grammar_compile`` process: one check at a time."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self._stderr = asyncio.create_task(self._log_stderr())
 
     @classmethod
     async def start(cls, source: TokenizerSource) -> _Helper:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "server.grammar_compile",
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            cwd=_PACKAGE_PARENT, start_new_session=True,  # a Ctrl+C in the server's terminal is the server's
-        )
-        helper = cls(proc)
+        helper = await cls.spawn("server.grammar_compile", "grammar helper")
+        assert isinstance(helper, _Helper)
         try:
             status, value, _ = await asyncio.wait_for(helper.exchange(source), HELPER_START_S)
         except TimeoutError:
@@ -116,53 +102,15 @@ class _Helper:
             raise RuntimeError(f"the grammar helper did not start: {value}")
         return helper
 
-    @property
-    def alive(self) -> bool:
-        return self.proc.returncode is None
-
-    async def _log_stderr(self) -> None:
-        assert self.proc.stderr is not None
-        with contextlib.suppress(Exception):
-            async for line in self.proc.stderr:
-                text = line.decode(errors="replace").rstrip()
-                if text:
-                    log.warning("grammar helper %d: %s", self.proc.pid, text[:2000])
-
     async def exchange(self, message: Any) -> tuple[str, str | None, bool]:
         """Send ``message`` (pickled: the server's own objects, to the helper), return the reply (status, message,
         retire) read as JSON of at most REPLY_MAX_BYTES; a _HELPER_GONE error when the helper dies meanwhile,
         _BadReply when its reply is not such JSON."""
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        self.proc.stdin.write(len(data).to_bytes(_HEADER, "little") + data)
-        await self.proc.stdin.drain()
-        size = int.from_bytes(await self.proc.stdout.readexactly(_HEADER), "little")
+        await self.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        size = await self.receive_size()
         if size > REPLY_MAX_BYTES:
             raise _BadReply(f"a {size}-byte reply (the most is {REPLY_MAX_BYTES})")
-        return _read_reply(await self.proc.stdout.readexactly(size))
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
-
-    async def died(self) -> str:
-        """How the helper ended (waits for it)."""
-        code = await self.proc.wait()
-        if code < 0:
-            with contextlib.suppress(ValueError):
-                return f"killed by {signal.Signals(-code).name}"
-        return f"exit code {code}"
-
-    async def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            await asyncio.wait_for(self.proc.wait(), 2.0)
-        except TimeoutError:
-            self.kill()
-            await self.proc.wait()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stderr, 1.0)
+        return _read_reply(await self.receive_bytes(size))
 
 
 def _read_reply(data: bytes) -> tuple[str, str | None, bool]:
@@ -384,25 +332,16 @@ def _reply(out: Any, status: str, value: str | None, retire: bool = False) -> No
     """JSON [status, value, retire]: retire tells the server that this helper exits now (it starts another)."""
     if value is not None and len(value) > REPLY_VALUE_CHARS:
         value = value[:REPLY_VALUE_CHARS] + "..."
-    data = json.dumps([status, value, retire]).encode()
-    out.write(len(data).to_bytes(_HEADER, "little") + data)
-    out.flush()
+    write_frame(out, json.dumps([status, value, retire]).encode())
 
 
 def main() -> None:
     """The helper: a TokenizerSource, then (request, style) checks, as length-prefixed pickles from the server;
     length-prefixed JSON replies."""
-    out = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # anything printed goes to stderr, never into the replies
-    with contextlib.suppress(OSError):
-        os.nice(HELPER_NICE)
-    inp = sys.stdin.buffer
+    inp, out = helper_streams()
     tokenizer = None
-    while True:
-        head = inp.read(_HEADER)
-        if len(head) < _HEADER:
-            return  # the server closed the pipe
-        message = pickle.loads(inp.read(int.from_bytes(head, "little")))
+    while (frame := read_frame(inp)) is not None:  # None: the server closed the pipe
+        message = pickle.loads(frame)
         if tokenizer is None:
             tokenizer = message.build()
             _reply(out, "ready", None)

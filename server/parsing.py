@@ -25,15 +25,13 @@ import contextlib
 import ctypes
 import gc
 import logging
-import os
 import pickle
-import sys
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from dflash_core.grammar_checks import rss_bytes
 from server.api_error import APIError, retry_later
+from server.helper_process import HelperProcess, helper_streams, read_frame, write_frame
 from server.protocol import AnyRequest, parse_request
 
 log = logging.getLogger("dflash.server")
@@ -42,14 +40,10 @@ INLINE_MAX_BYTES = 256 * 1024  # bodies up to this size with few JSON values are
 INLINE_MAX_VALUES = 2000
 PARSE_PROCESSES = 2
 PARSE_MAX_WAITING = 64
-HELPER_NICE = 10  # a helper yields the CPU to the server (a hostile body must not slow everyone's tokens)
 PARSE_TIMEOUT_S = 30.0  # a helper that takes longer with one body is killed
 PARSE_MAX_BYTES = 64 * 1024 * 1024  # bodies with the helpers at once (one body alone is always let through)
 HELPER_TRIM_BYTES = 1024 * 1024  # after a body this big a helper frees its memory to the system
 HELPER_MAX_RSS = 512 * 1024 * 1024  # a helper grown beyond this exits after its reply (the next parse starts one)
-_HEADER = 8  # bytes of the length prefix of each message between the server and a helper
-_PACKAGE_PARENT = Path(__file__).resolve().parent.parent  # the helper's cwd: `-m server.parsing` finds us
-_STDERR_LINE_CHARS = 2000
 _HELPER_GONE = (ConnectionError, asyncio.IncompleteReadError)  # the helper died (killed, out of memory, ...)
 
 
@@ -97,68 +91,23 @@ def is_cheap(body: bytes) -> bool:
     return body.count(b",") + body.count(b"[") + body.count(b"{") <= INLINE_MAX_VALUES
 
 
-class _Helper:
-    """One ``python -m server.parsing`` process: one request at a time; its stderr goes to the log."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self._stderr = asyncio.create_task(self._log_stderr())
+class _Helper(HelperProcess):
+    """One ``python -m server.parsing`` process: one request at a time."""
 
     @classmethod
     async def start(cls) -> _Helper:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "server.parsing",
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,  # read line by line into the log (_log_stderr), never left to fill
-            cwd=_PACKAGE_PARENT,
-            # its own session: a Ctrl+C in the server's terminal must not kill it mid-drain
-            start_new_session=True,
-        )
-        return cls(proc)
-
-    @property
-    def alive(self) -> bool:
-        """Not known to have exited."""
-        return self.proc.returncode is None
-
-    async def _log_stderr(self) -> None:
-        assert self.proc.stderr is not None
-        with contextlib.suppress(Exception):
-            async for line in self.proc.stderr:
-                text = line.decode(errors="replace").rstrip()
-                if text:
-                    log.warning("parse helper %d: %s", self.proc.pid, text[:_STDERR_LINE_CHARS])
+        helper = await cls.spawn("server.parsing", "parse helper")
+        assert isinstance(helper, _Helper)
+        return helper
 
     async def parse(self, kind: str, body: bytes, max_model_len: int | None) -> Any:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        data = pickle.dumps((kind, max_model_len, body), protocol=pickle.HIGHEST_PROTOCOL)
-        self.proc.stdin.write(len(data).to_bytes(_HEADER, "little") + data)
-        await self.proc.stdin.drain()
-        size = int.from_bytes(await self.proc.stdout.readexactly(_HEADER), "little")
-        status, value = pickle.loads(await self.proc.stdout.readexactly(size))
+        await self.send(pickle.dumps((kind, max_model_len, body), protocol=pickle.HIGHEST_PROTOCOL))
+        status, value = pickle.loads(await self.receive_bytes(await self.receive_size()))
         if status == "error":
             raise value
         if status != "ok":
             raise RuntimeError(f"the parse helper failed: {value}")
         return value
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
-
-    async def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            await asyncio.wait_for(self.proc.wait(), 2.0)
-        except TimeoutError:
-            self.kill()
-            await self.proc.wait()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stderr, 1.0)
 
 
 class ParsePool:
@@ -244,16 +193,9 @@ class ParsePool:
 
 def main() -> None:
     """The helper process: length-prefixed pickles in on stdin, ("ok" | "error" | "failed", value) out."""
-    out = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # anything printed goes to stderr, never into the replies
-    with contextlib.suppress(OSError):
-        os.nice(HELPER_NICE)
-    inp = sys.stdin.buffer
-    while True:
-        head = inp.read(_HEADER)
-        if len(head) < _HEADER:
-            return  # the server closed the pipe
-        kind, max_model_len, body = pickle.loads(inp.read(int.from_bytes(head, "little")))
+    inp, out = helper_streams()
+    while (frame := read_frame(inp)) is not None:  # None: the server closed the pipe
+        kind, max_model_len, body = pickle.loads(frame)
         try:
             reply: tuple[str, Any] = ("ok", parse_request(kind, body, max_model_len))
         except APIError as e:
@@ -261,10 +203,9 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - reported to the server, which logs it
             reply = ("failed", f"{type(e).__name__}: {e}")
         data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
-        out.write(len(data).to_bytes(_HEADER, "little") + data)
-        out.flush()
+        write_frame(out, data)
         big = len(body) >= HELPER_TRIM_BYTES
-        del reply, data, body
+        del reply, data, body, frame  # the frame too: its bytes are the body's size
         if big and give_back_memory() > HELPER_MAX_RSS:
             return  # the server starts another helper for the next parse
 

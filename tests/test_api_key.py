@@ -9,13 +9,11 @@ from typing import Any
 import httpx
 import pytest
 
-from dflash_core.loading import LoadedModels
-from server.app import create_app
-from server.settings import Settings
 from tests.fake_engine import FakeEngine, Script, demo_tokenizer
+from tests.test_app_fake import MODEL
+from tests.test_app_fake import make_app as fake_app
 
 KEY = "sesame"
-MODEL = "fake"
 TIMEOUT_S = 30.0
 
 REFUSED = [
@@ -40,17 +38,7 @@ ACCEPTED = ["Bearer sesame", "bearer sesame", "BEARER sesame", "Bearer  sesame",
 def make_app(api_key: str | None) -> Any:
     engine = FakeEngine(tokenizer=demo_tokenizer())
     engine.script("hi", Script(["ok"]))
-    models = LoadedModels(
-        engine=engine,  # type: ignore[arg-type]  # the worker's ServingEngine interface
-        tokenizer=demo_tokenizer(),
-        target_name="fake-target",
-        draft_name="fake-draft",
-        device="cpu",
-        dtype="float32",
-        block_size=engine.block_size,
-        backend="fake",
-    )
-    return create_app(Settings(served_model_name=MODEL, api_key=api_key), models=models)
+    return fake_app(engine, api_key=api_key)
 
 
 async def answers(app: Any, authorizations: list[str | None]) -> list[httpx.Response]:

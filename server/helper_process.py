@@ -1,0 +1,117 @@
+"""A helper process of the server (``python -m <module>``): what the body parsers (``server/parsing.py``) and the
+grammar checkers (``server/grammar_compile.py``) share. Messages are length-prefixed frames on the helper's
+stdin / stdout; its stderr goes to the log line by line; it runs in its own session (a Ctrl+C in the server's
+terminal is the server's to handle, not the helper's mid-work) from the package's parent folder, so that
+``-m server.<module>`` finds us."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import BinaryIO
+
+log = logging.getLogger("dflash.server")
+
+HEADER_BYTES = 8  # the length prefix of each frame
+HELPER_NICE = 10  # a helper yields the CPU to the server (a hostile body must not slow everyone's tokens)
+STDERR_LINE_CHARS = 2000
+_PACKAGE_PARENT = Path(__file__).resolve().parent.parent
+
+
+class HelperProcess:
+    """One helper process, one message at a time: ``send`` a frame, ``receive`` a frame."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, label: str) -> None:
+        self.proc = proc
+        self.label = label
+        self._stderr = asyncio.create_task(self._log_stderr())
+
+    @classmethod
+    async def spawn(cls, module: str, label: str) -> HelperProcess:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", module,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,  # read line by line into the log (_log_stderr), never left to fill
+            cwd=_PACKAGE_PARENT, start_new_session=True,
+        )
+        return cls(proc, label)
+
+    @property
+    def alive(self) -> bool:
+        """Not known to have exited."""
+        return self.proc.returncode is None
+
+    async def _log_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        with contextlib.suppress(Exception):
+            async for line in self.proc.stderr:
+                text = line.decode(errors="replace").rstrip()
+                if text:
+                    log.warning("%s %d: %s", self.label, self.proc.pid, text[:STDERR_LINE_CHARS])
+
+    async def send(self, data: bytes) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(len(data).to_bytes(HEADER_BYTES, "little") + data)
+        await self.proc.stdin.drain()
+
+    async def receive_size(self) -> int:
+        """The length of the next frame (read its bytes with ``receive_bytes``)."""
+        assert self.proc.stdout is not None
+        return int.from_bytes(await self.proc.stdout.readexactly(HEADER_BYTES), "little")
+
+    async def receive_bytes(self, size: int) -> bytes:
+        assert self.proc.stdout is not None
+        return await self.proc.stdout.readexactly(size)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+
+    async def died(self) -> str:
+        """How the helper ended (waits for it)."""
+        code = await self.proc.wait()
+        if code < 0:
+            with contextlib.suppress(ValueError):
+                return f"killed by {signal.Signals(-code).name}"
+        return f"exit code {code}"
+
+    async def close(self) -> None:
+        """Close its stdin (it exits at the end of its input), killed when it does not within 2 s."""
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            await asyncio.wait_for(self.proc.wait(), 2.0)
+        except TimeoutError:
+            self.kill()
+            await self.proc.wait()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stderr, 1.0)
+
+
+def read_frame(inp: BinaryIO) -> bytes | None:
+    """In the helper: the next frame from the server, None at the end of its input."""
+    head = inp.read(HEADER_BYTES)
+    if len(head) < HEADER_BYTES:
+        return None
+    return inp.read(int.from_bytes(head, "little"))
+
+
+def write_frame(out: BinaryIO, data: bytes) -> None:
+    """In the helper: one frame to the server."""
+    out.write(len(data).to_bytes(HEADER_BYTES, "little") + data)
+    out.flush()
+
+
+def helper_streams() -> tuple[BinaryIO, BinaryIO]:
+    """In the helper, at its start: (frames in, frames out). Anything printed goes to stderr, never into the
+    replies, and the helper runs at a lower CPU priority than the server."""
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    with contextlib.suppress(OSError):
+        os.nice(HELPER_NICE)
+    return sys.stdin.buffer, out
