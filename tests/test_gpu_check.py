@@ -1,5 +1,6 @@
-"""`scripts/gpu_check.sh --dry-run` runs the GPU check end to end on CPU with tiny shapes and writes its JSON; on a
-machine without CUDA the real check exits 2 with a clear message."""
+"""`scripts/gpu_check.sh --dry-run` runs the GPU check end to end on CPU with tiny shapes (the end-to-end server
+part too) and writes its JSON; on a machine without CUDA the real check (and `--quick`) exits 2 with a clear
+message."""
 
 from __future__ import annotations
 
@@ -31,8 +32,51 @@ def test_dry_run_writes_the_json(tmp_path: Path) -> None:
     assert all(r["ms"] > 0 and r["weights_bytes"] > 0 for r in result["rows"])
     assert set(result["anchors"]) == {"tiny-qwen3", "tiny-qwen3.5"}
     assert result["anchors"]["tiny-qwen3"]["plain_vs_bound"] > 0
+    assert all(r["recompiles"] == 0 and r["syncs_per_call"] is None for r in result["rows"])  # eager, CPU
     assert (out / "gpu_check.png").stat().st_size > 0  # matplotlib: the test extra
     assert "wrote" in proc.stdout and "plain step b1 vs weights/4.8 TB/s" in proc.stdout
+    # the end-to-end part: the server's app, scripted DFlash against --no-speculative at concurrency 1 and 2
+    e2e = result["e2e"]
+    assert e2e["model"] == "tiny-qwen3" and set(e2e["runs"]) == {"no-speculative", "dflash-scripted"}
+    for name, rows in e2e["runs"].items():
+        assert [r["concurrency"] for r in rows] == [1, 2]
+        assert all(r["tokens"] == r["concurrency"] * e2e["max_tokens"] and r["tok_s"] > 0 for r in rows), name
+    for r in e2e["runs"]["dflash-scripted"]:
+        # the scripted drafter copies the recorded plain run at rate 0.8: several tokens per verify, not ~1
+        assert r["draft_tokens"] > 0 and r["tokens_per_row_step"] > 2 and r["speedup"] > 0
+    assert all(r["draft_tokens"] == 0 for r in e2e["runs"]["no-speculative"])
+    assert "e2e c=1: DFlash (scripted" in proc.stdout
+
+
+def test_scripted_drafter_copies_the_recording_at_its_rate() -> None:
+    from dflash_core.bench.gpu_e2e import ScriptedDrafter
+    from dflash_core.runners.base import Drafter, DraftRequest, Proposal
+
+    class Inner(Drafter):
+        block_size, max_slots = 16, None
+
+        def new_state(self, slot: int, prompt_token_ids: list[int]) -> str:
+            return "inner"
+
+        def extend_context(self, state: object, features: object) -> None:
+            pass
+
+        def propose_batch(self, items: object) -> list[list[int]]:
+            return [[7] * it.n for it in items]  # type: ignore[attr-defined]
+
+    prompt, recorded = [1, 2, 3], list(range(100, 400))
+    always = ScriptedDrafter(Inner(), {tuple(prompt): recorded}, 1.0, 1000)
+    state = always.new_state(0, prompt)
+    # position 3 holds recorded[0] (the first output token): the proposal starts at recorded[1]
+    [prop] = always.propose_scored([DraftRequest(state, recorded[0], 3, 15)])
+    assert prop == Proposal(recorded[1:16], [1.0] * 15)
+    never = ScriptedDrafter(Inner(), {tuple(prompt): recorded}, 0.0, 1000)
+    [prop] = never.propose_scored([DraftRequest(never.new_state(0, prompt), recorded[0], 3, 15)])
+    assert all(t != r for t, r in zip(prop.tokens, recorded[1:16]))
+    half = ScriptedDrafter(Inner(), {tuple(prompt): recorded}, 0.5, 1000)
+    hits = [t == r for pos in range(3, 203, 15) for t, r in zip(
+        half.propose_scored([DraftRequest(half.new_state(0, prompt), 0, pos, 15)])[0].tokens, recorded[pos - 2:])]
+    assert 0.35 < sum(hits) / len(hits) < 0.65
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -44,9 +88,22 @@ def test_without_cuda_exits_with_a_clear_message(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
 
 
-def test_script_is_shellcheck_clean() -> None:
+def test_quick_without_cuda_exits_with_a_clear_message(tmp_path: Path) -> None:
+    """--quick with no .gpu-wheels folder says so and runs on the installed packages; without CUDA it exits 2."""
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    proc = subprocess.run(["bash", str(SCRIPT), "--quick", str(tmp_path)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable,
+                                                        "GPU_WHEELS": str(tmp_path / "none")})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "gpu-check needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
+    assert "scripts/gpu_wheels.sh fills it" in proc.stderr
+
+
+@pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_wheels.sh"])
+def test_script_is_shellcheck_clean(script: str) -> None:
     shellcheck = shutil.which("shellcheck")
     if shellcheck is None:
         pytest.skip("shellcheck not installed (Debian: apt-get install shellcheck; .ci/run installs it)")
-    res = subprocess.run([shellcheck, str(SCRIPT)], capture_output=True, text=True, timeout=60)
+    res = subprocess.run([shellcheck, str(SCRIPT.parent / script)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stdout
