@@ -349,6 +349,17 @@ class DFlashDraft(nn.Module):
                 visible &= (kp - qp) < attn.sliding_window
         return visible if base is None else visible & base
 
+    def write_context(
+        self, ctx_features: torch.Tensor, ctx_pos: torch.Tensor, cache: DraftKVCache | SlotBatch, last: torch.Tensor
+    ) -> None:
+        """Write the keys/values of context rows [b, c, len(ids)*H] at ctx_pos [b, c] to the cache, with no block:
+        exactly the rows `forward` would write for them (`last` [b]: the RoPE type's long switch, as there)."""
+        ctx = self.hidden_norm(self.fc(ctx_features))
+        cos, sin = self.rope(ctx_pos, ctx.dtype, last if self._long_inv_freq is not None else None)
+        for i, layer in enumerate(self.layers):
+            cache.update(i, *layer.self_attn.context_kv(ctx, cos, sin))
+        cache.commit(ctx.shape[1])
+
     def forward(
         self,
         block_emb: torch.Tensor,

@@ -108,14 +108,16 @@ def test_verify_compiled_equals_eager(model):
 
 # (requests, tokens proposed, context rows accepted after it): 2 or 3 rows a step (context bucket 4), proposing 3
 # or 7 tokens (block widths 4 and 8) for 2 and 3 requests (batch buckets 2 and 4); 250 or 260 rows take the
-# contexts to the next key bucket (more rows than a context bucket: the proposal after them runs eagerly).
+# contexts to the next key bucket (more rows than a block: the drafter writes all but the last 1..8 of them to its
+# cache at once, so the proposal after them still fits a context bucket).
 _DRAFT_STEPS = [(3, 3, 2), (2, 7, 3), (3, 7, 250), (3, 3, 2), (2, 3, 260), (3, 7, 2), (2, 3, 2), (3, 3, 2)]
 
 
 def _proposals(model, draft, static: StaticShapes | None) -> list:
-    """A batched drafter fed the same features: the prompts' (eager: longer than the context buckets), then the
-    steps of `_DRAFT_STEPS`. Widths above 2 and contexts above 1 row: a block of 2 (one proposal) or a context of
-    1 row would be one more graph to compile (dimensions of 1 are specialised), and the suite's time counts."""
+    """A batched drafter fed the same features: the prompts' (longer than a block: written to the cache before the
+    first proposal, all but the last rows), then the steps of `_DRAFT_STEPS`. Widths above 2 and contexts above 1
+    row: a block of 2 (one proposal) or a context of 1 row would be one more graph to compile (dimensions of 1 are
+    specialised), and the suite's time counts."""
     target = NativeTarget(model, [0], max_slots=4, max_len=MAX_LEN)
     drafter = DFlashDrafter(draft, target, block_size=8, max_slots=4, max_len=MAX_LEN, static=static)
     graphs = None
@@ -146,8 +148,9 @@ def test_draft_compiled_equals_eager(model, draft):
     eager = _proposals(model, draft, None)
     shapes = StaticShapes(batch_sizes=(2, 4), widths=(4, 8), compiled=True)
     compiled = _proposals(model, draft, shapes)
-    # the steps but the first and those after the long contexts ran the compiled step
-    assert set(shapes.calls) == {(2, 4), (2, 8), (4, 4), (4, 8)} and sum(shapes.calls.values()) == 5
+    # every step ran the compiled step, the first and those after the long contexts too (their context rows were
+    # written as they came: the proposal carries at most a block of them)
+    assert set(shapes.calls) == {(2, 4), (2, 8), (4, 4), (4, 8)} and sum(shapes.calls.values()) == len(_DRAFT_STEPS)
     for e_step, c_step in zip(eager, compiled, strict=True):
         for e, c in zip(e_step, c_step, strict=True):
             assert c.tokens == e.tokens

@@ -121,7 +121,8 @@ class Drafter(ABC):
     """Proposes draft tokens; the engine verifies them with the target, so a drafter affects speed, never output.
 
     Context arrives through `extend_context` (the target features of committed positions, in order) and is
-    consumed by the next proposal; a proposal that raises must consume nothing, so the engine can retry it.
+    consumed by the next proposal (or written to the drafter's cache before it); a proposal that raises must consume
+    nothing, so the engine can retry it.
     """
 
     block_size: int

@@ -20,6 +20,7 @@ class _DFlashState:
     slot: int  # the request's slot: its row of the shared slot cache (batched drafter)
     cache: DraftKVCache | None = None  # per-request cache (unbatched drafter)
     pending: list[torch.Tensor] = field(default_factory=list)  # target features not yet in the draft cache
+    written: int = 0  # positions before the pending ones: in the draft cache (or skipped, older than a window)
 
 
 class DFlashDrafter(Drafter):
@@ -30,9 +31,13 @@ class DFlashDrafter(Drafter):
     over a growing per-request cache. With a `window` N the draft sees only the last N context positions and
     either cache holds at most N of them per request. A draft with a reduced vocabulary proposes target ids.
 
+    Context features wait for the next proposal's forward, at most `block_size` rows of them (a verify commits no
+    more): beyond that (a prefill chunk, a long run of plain steps) `extend_context` writes the older rows to the
+    cache at once, one request and one chunk at a time, so a proposal never pads its batch to a long prompt.
+
     With `static` (a batched drafter without a window) a proposal whose batch, block width and new context rows
-    fit the buckets runs a fixed-shape step (compiled: `dflash_core/compile.py`); the first proposal after a
-    prefill (the prompt's context) and shapes beyond the buckets run eagerly.
+    fit the buckets runs a fixed-shape step (compiled: `dflash_core/compile.py`); shapes beyond the buckets run
+    eagerly.
     """
 
     def __init__(
@@ -75,6 +80,40 @@ class DFlashDrafter(Drafter):
 
     def extend_context(self, state: _DFlashState, features: torch.Tensor) -> None:
         state.pending.append(features)
+        rows = sum(f.shape[0] for f in state.pending)
+        if rows > self.block_size:
+            # the next proposal keeps 1..block_size rows (its context bucket); the older ones are written now
+            self._write_context(state, rows - (rows - 1) // self.block_size * self.block_size)
+
+    @torch.inference_mode()
+    def _write_context(self, state: _DFlashState, keep: int) -> None:
+        """Write all but the last `keep` pending rows to the request's draft cache (their own forward, bounded by
+        the chunk that brought them); on failure nothing is consumed, as for a proposal."""
+        device, dtype = self.target.device, self.target.dtype
+        feats = torch.cat(state.pending, dim=0)
+        n, start = feats.shape[0] - keep, state.written
+        skip = 0  # rows older than the window as of the last pending one: no query will see them
+        if self.window is not None:
+            skip = n - min(n, max(0, self.window - keep))
+        ctx_pos = torch.arange(start + skip, start + n, device=device)[None]
+        # the long-RoPE switch as for a proposal at the next position (the smallest block that will see them)
+        last = torch.tensor([start + feats.shape[0]], device=device)
+        if self.slots is not None:
+            cache, before = self.slots.batch([state.slot], ctx_pos, 0), None
+        else:
+            cache = state.cache
+            before = cache.length
+        try:
+            if before is not None and skip:
+                cache.skip(skip)
+            if n > skip:
+                self.draft.write_context(feats[None, skip:n].to(dtype), ctx_pos, cache, last)
+        except BaseException:
+            if before is not None:
+                cache.length = before
+            raise
+        state.pending = [feats[n:].clone()]
+        state.written = start + n
 
     def propose_batch(self, items: Sequence[DraftRequest]) -> list[list[int]]:
         return [p.tokens for p in self.propose_scored(items)]
@@ -100,8 +139,9 @@ class DFlashDrafter(Drafter):
         if self._step is not None and n_ctx:
             proposals = self._propose_static(items, pending, n_ctx)
             if proposals is not None:
-                for st, *_ in items:
+                for st, _, p, _ in items:
                     st.pending.clear()
+                    st.written = p
                 return proposals
         ctx = ctx_pos = None
         positions = torch.tensor([p for _, _, p, _ in items], device=device)
@@ -142,8 +182,9 @@ class DFlashDrafter(Drafter):
             if rollback is not None:
                 cache.length = rollback
             raise
-        for st, *_ in items:  # only now is the context in the draft cache
+        for st, _, p, _ in items:  # only now is the context in the draft cache
             st.pending.clear()
+            st.written = p
         return [Proposal(row[:n], pr[:n]) for row, pr, (*_, n) in zip(best, probs, items)]
 
     # ---- the static step ----
