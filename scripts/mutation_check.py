@@ -120,6 +120,10 @@ MUTATIONS: tuple[Mutation, ...] = (
       "state = torch.where(active[:, i, None, None, None], new, state)", "state = new",
       "tests/test_hybrid.py::test_rows_of_different_widths_in_one_batch_stay_exact"),
     # draft formats: the window ring's positions, a reduced vocabulary's id map, RoPE attention scaling
+    # the draft's context written per prefill chunk: at the positions that follow what is already written
+    m("draft_context_written_a_row_late", "dflash_core/runners/drafter.py", "DFlashDrafter._write_context",
+      "ctx_pos = torch.arange(start + skip, start + n, device=device)[None]",
+      "ctx_pos = torch.arange(start + skip + 1, start + n + 1, device=device)[None]", "tests/test_draft_context.py"),
     m("draft_ring_positions_not_recorded", "dflash_core/draft.py", "SlotBatch.__init__",
       "cache.pos[self.slots[:, None], self.cols] = ctx_pos", "pass", "tests/test_draft_window.py"),
     m("reduced_vocab_ids_not_mapped", "dflash_core/draft.py", "DFlashDraft.target_ids",

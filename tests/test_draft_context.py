@@ -18,8 +18,10 @@ from dflash_core.config import EngineConfig
 from dflash_core.draft import DFlashDraft
 from dflash_core.engine import Engine
 from dflash_core.loading import load_models
+from dflash_core.runners.base import DraftRequest
 from dflash_core.runners.drafter import DFlashDrafter
 from dflash_core.sampling import SamplingParams
+from tests.helpers import Proposal as RecordedProposal
 from tests.helpers import RecordingDrafter, make_tiny_pair
 from tests.test_engine import tokens
 
@@ -27,6 +29,23 @@ BLOCK = 8
 CHUNK = 32
 LONG = 200
 NEW_TOKENS = 24
+
+
+class ScoredRecorder(RecordingDrafter):
+    """A RecordingDrafter that passes the inner drafter's probabilities through and records them per prompt: a
+    context row written at the wrong place changes the draft's distribution even where its argmax holds."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.scores: dict[tuple[int, ...], list[list[float]]] = {}
+
+    def propose_scored(self, items: Any) -> Any:
+        inner_items = [DraftRequest(st.inner, last, pos, n) for st, last, pos, n in items]
+        outs = self.inner.propose_scored(inner_items)
+        for (st, last, pos, _), out in zip(items, outs):
+            self.proposals.append(RecordedProposal(st.prompt, last, pos, list(out.tokens)))
+            self.scores.setdefault(st.prompt, []).append(list(out.confidence))
+        return outs
 
 
 class ContextProbe:
@@ -103,7 +122,7 @@ def drafter_for(models, cls: type[DFlashDrafter], window: int | None) -> DFlashD
 def test_prefill_context_written_per_chunk(models, window):
     plain = run(models, None)
     drafter = drafter_for(models, DFlashDrafter, window)
-    recorder = RecordingDrafter(drafter)
+    recorder = ScoredRecorder(drafter)
     out = run(models, recorder)
     assert out == plain  # exactness: plain decoding's tokens
     probe = drafter.draft
@@ -116,9 +135,13 @@ def test_prefill_context_written_per_chunk(models, window):
 
     # the proposals are those of a drafter that carries all context into its next proposal
     keep_all = drafter_for(models, KeepAllDrafter, window)
-    ref_recorder = RecordingDrafter(keep_all)
+    ref_recorder = ScoredRecorder(keep_all)
     assert run(models, ref_recorder) == plain
     # what the chunked writes avoid: the prompt's rows (a window's last rows) in one padded proposal
     assert max(c for _, c, *_ in keep_all.draft.forward_rows) >= min(LONG - CHUNK, window or LONG)
     for prompt in out:
         assert [p.tokens for p in recorder.by_prompt(prompt)] == [p.tokens for p in ref_recorder.by_prompt(prompt)]
+        mine, ref = recorder.scores[tuple(prompt)], ref_recorder.scores[tuple(prompt)]
+        assert len(mine) == len(ref) == len(recorder.by_prompt(prompt)) > 0
+        for a, b in zip(mine, ref):
+            assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4), (a, b)
