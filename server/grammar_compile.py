@@ -35,7 +35,7 @@ from dflash_core.grammar import LLGuidanceBackend, StructuredOutput
 from dflash_core.grammar_checks import TokenizerSource, probe, short_error
 from server.api_error import APIError, retry_later
 from server.chat_request import ChatCompletionRequest
-from server.helper_process import HelperProcess, helper_streams, read_frame, write_frame
+from server.helper_process import HelperProcess, IdleHelpers, helper_streams, read_frame, write_frame
 from server.parsing import Limiter, give_back_memory
 
 log = logging.getLogger("dflash.server")
@@ -150,11 +150,10 @@ class GrammarChecks:
         self.timeout_s = timeout_s
         self.limiter = Limiter(size, waiting, "grammar compiles")
         self._source: TokenizerSource | None = None
-        self._idle: list[_Helper] = []
+        self._idle: IdleHelpers[_Helper] = IdleHelpers()
         # digest -> (None (fine) or the 400, until when it holds (loop time))
         self._outcomes: OrderedDict[str, tuple[_Refusal | None, float]] = OrderedDict()
         self._running: dict[str, _Running] = {}  # digest -> the check in progress
-        self._closed = False
 
     async def check(self, req: ChatCompletionRequest, style: str, request: Any = None) -> None:
         """Nothing when ``req``'s constraint compiles and runs its first tokens in a helper; else APIError 400
@@ -243,8 +242,8 @@ class GrammarChecks:
                         crashed = all(-code in CRASH_SIGNALS for code in deaths)
                         return _Refusal(f"the grammar crashed the grammar compiler ({how}); it cannot be used",
                                         keep_s=math.inf if crashed else 0)
-                finally:
-                    self._release(helper, ok)
+                finally:  # a timeout, a cancel or a death: never reused
+                    self._idle.release(helper, ok)
         if status == "ok":
             return None
         if status != "error":  # an unexpected failure on this input: still the request's, never the server's
@@ -263,29 +262,18 @@ class GrammarChecks:
             unavailable = retry_later(503, "the grammar compiler is unavailable; retry later", "no_grammar")
             raise unavailable from None
 
-    def _release(self, helper: _Helper, ok: bool) -> None:
-        """Back to the idle list when in step; killed otherwise (a timeout, a cancel, a death)."""
-        if ok and not self._closed and helper.alive:
-            self._idle.append(helper)
-        else:
-            helper.kill()
-
     async def _helper(self) -> _Helper:
         """An idle helper that is still alive, or a new one."""
-        while self._idle:
-            helper = self._idle.pop()
-            if helper.alive:
-                return helper
+        idle = self._idle.take()
+        if idle is not None:
+            return idle
         if self._source is None:
             self._source = await asyncio.to_thread(self.backend.tokenizer_source)
         return await _Helper.start(self._source)
 
     async def close(self) -> None:
         """Stop the idle helpers (those in use are killed when their check ends)."""
-        self._closed = True
-        helpers, self._idle = self._idle, []
-        for helper in helpers:
-            await helper.close()
+        await self._idle.close()
 
 
 async def _unless_disconnected(work: asyncio.Future[_Refusal | None], request: Any) -> _Refusal | None:

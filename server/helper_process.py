@@ -12,8 +12,9 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Generic, TypeVar
 
 log = logging.getLogger("dflash.server")
 
@@ -91,6 +92,47 @@ class HelperProcess:
             await self.proc.wait()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stderr, 1.0)
+
+
+H = TypeVar("H", bound=HelperProcess)
+
+
+class IdleHelpers(Generic[H]):
+    """A pool's idle helpers: one is reused while it is alive and was left in step, killed otherwise."""
+
+    def __init__(self) -> None:
+        self._helpers: list[H] = []
+        self.closed = False
+
+    def take(self) -> H | None:
+        """An idle helper that is still alive (one that exited meanwhile is logged and dropped), or None."""
+        while self._helpers:
+            helper = self._helpers.pop()
+            if helper.alive:
+                return helper
+            log.warning("%s %d exited (%s) while idle; starting another", helper.label, helper.proc.pid,
+                        helper.proc.returncode)
+        return None
+
+    def release(self, helper: H, in_step: bool) -> None:
+        """Back to the idle ones when it answered in step; killed otherwise (a timeout, a cancel, a death)."""
+        if in_step and not self.closed and helper.alive:
+            self._helpers.append(helper)
+        else:
+            helper.kill()
+
+    async def close(self) -> None:
+        """Stop the idle helpers (those in use are killed when they are released)."""
+        self.closed = True
+        helpers, self._helpers = self._helpers, []
+        for helper in helpers:
+            await helper.close()
+
+    def __len__(self) -> int:
+        return len(self._helpers)
+
+    def __iter__(self) -> Iterator[H]:
+        return iter(self._helpers)
 
 
 def read_frame(inp: BinaryIO) -> bytes | None:

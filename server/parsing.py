@@ -31,7 +31,7 @@ from typing import Any
 
 from dflash_core.grammar_checks import rss_bytes
 from server.api_error import APIError, retry_later
-from server.helper_process import HelperProcess, helper_streams, read_frame, write_frame
+from server.helper_process import HelperProcess, IdleHelpers, helper_streams, read_frame, write_frame
 from server.protocol import AnyRequest, parse_request
 
 log = logging.getLogger("dflash.server")
@@ -116,18 +116,11 @@ class ParsePool:
     def __init__(self, size: int = PARSE_PROCESSES, waiting: int = PARSE_MAX_WAITING) -> None:
         self.limiter = Limiter(size, waiting, "large request bodies")
         self.bytes_in_flight = 0  # bodies parsing or waiting for a helper
-        self._idle: list[_Helper] = []
-        self._closed = False
+        self._idle: IdleHelpers[_Helper] = IdleHelpers()
 
     async def _helper(self) -> _Helper:
         """An idle helper that is still alive, or a new one."""
-        while self._idle:
-            helper = self._idle.pop()
-            if helper.alive:
-                return helper
-            log.warning("parse helper %d exited (%s) while idle; starting another", helper.proc.pid,
-                        helper.proc.returncode)
-        return await _Helper.start()
+        return self._idle.take() or await _Helper.start()
 
     async def parse(
         self, kind: str, body: bytes, max_model_len: int | None
@@ -176,19 +169,13 @@ class ParsePool:
             raise retry_later(
                 503, f"parsing the request body took over {PARSE_TIMEOUT_S:.0f} s; retry later", "parse_timeout"
             ) from None
-        finally:
-            if ok and not self._closed:
-                self._idle.append(helper)
-            else:  # timed out, cancelled mid-exchange, or the helper died: never reuse it
-                helper.kill()
+        finally:  # timed out, cancelled mid-exchange, or the helper died: never reused
+            self._idle.release(helper, ok)
         return result
 
     async def close(self) -> None:
         """Stop the idle helpers (those in use are killed when their parse ends)."""
-        self._closed = True
-        helpers, self._idle = self._idle, []
-        for helper in helpers:
-            await helper.close()
+        await self._idle.close()
 
 
 def main() -> None:

@@ -136,16 +136,21 @@ def test_a_precompiled_matchers_first_mask_is_the_grammars(backend: LLGuidanceBa
 
 
 # ---- a real server ----
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("grammar_safety") / "server.log"
+def demo_server(tmp_path_factory: pytest.TempPathFactory, name: str, timeout_s: float) -> Iterator[ServerProcess]:
+    """A plain demo server whose grammars may compile for ``timeout_s`` seconds, stopped after the module."""
+    log = tmp_path_factory.mktemp(name) / "server.log"
     srv = start_server(["--model", str(DEMO_TARGET), "--no-speculative", "--device", "cpu",
-                        "--grammar-compile-timeout", str(TIMEOUT_S)], log)
+                        "--grammar-compile-timeout", str(timeout_s)], log)
     try:
         srv.wait_ready()
         yield srv
     finally:
         srv.terminate()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    yield from demo_server(tmp_path_factory, "grammar_safety", TIMEOUT_S)
 
 
 def client(server: ServerProcess, timeout: float = 120) -> openai.OpenAI:
@@ -199,14 +204,7 @@ def test_bad_grammars_are_400s_before_any_token(server: ServerProcess, schema: A
 
 @pytest.fixture(scope="module")
 def short_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("grammar_timeout") / "server.log"
-    srv = start_server(["--model", str(DEMO_TARGET), "--no-speculative", "--device", "cpu",
-                        "--grammar-compile-timeout", str(SHORT_TIMEOUT_S)], log)
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.terminate()
+    yield from demo_server(tmp_path_factory, "grammar_timeout", SHORT_TIMEOUT_S)
 
 
 def test_a_compile_over_the_timeout_is_a_400(short_server: ServerProcess) -> None:
