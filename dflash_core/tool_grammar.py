@@ -117,7 +117,8 @@ def _thinking_rules(budget: int | None, opened: bool, calls: str, marker_ids: di
 
 
 _DEF_KEYS = ("$defs", "definitions")
-_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values there are data, not schemas
+# JSON-schema keywords whose values are data, not schemas (the server keeps their keys as client text too)
+SCHEMA_DATA_KEYWORDS = frozenset({"const", "default", "enum", "examples", "dependentRequired"})
 
 
 def _rebase_refs(schema: Any, base: str, tool: str) -> Any:
@@ -146,7 +147,7 @@ def _rebase_refs(schema: Any, base: str, tool: str) -> Any:
                 out[k] = rebase(v)
             elif k == "properties" and isinstance(v, dict):  # property names are names, their values schemas
                 out[k] = {name: walk(sub, False) for name, sub in v.items()}
-            elif k in _DATA_KEYWORDS:
+            elif k in SCHEMA_DATA_KEYWORDS:
                 out[k] = v
             else:
                 out[k] = walk(v, False)

@@ -40,6 +40,7 @@ from typing import Any
 import jinja2
 
 from dflash_core.chat import NoChatTemplateError, has_chat_template, render_chat
+from dflash_core.tool_grammar import SCHEMA_DATA_KEYWORDS
 from server.api_error import APIError
 from server.chat_request import ChatCompletionRequest, ChatMessage
 from server.completion_request import CompletionRequest
@@ -228,7 +229,6 @@ def _mask_free(value: Any, sentinel: Any) -> Any:
 # JSON-schema keywords, the only keys of a tool's parameters kept as they are (templates read them); every other
 # key (a property or definition name, a key inside data, an unknown keyword) is client text, as is every string
 _NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
-_DATA_KEYWORDS = frozenset({"const", "default", "enum", "examples", "dependentRequired"})
 _SCHEMA_KEYWORDS = frozenset(
     "type required items prefixItems additionalProperties propertyNames additionalItems unevaluatedProperties "
     "unevaluatedItems contains anyOf oneOf allOf not if then else $ref $schema $id $anchor $comment title "
@@ -251,7 +251,7 @@ def _mask_schema(value: Any, sentinel: Any) -> Any:
         elif k in _SCHEMA_KEYWORDS:
             out[k] = _mask_schema(v, sentinel)
         else:
-            out[k if k in _DATA_KEYWORDS else sentinel(k)] = _mask_free(v, sentinel)
+            out[k if k in SCHEMA_DATA_KEYWORDS else sentinel(k)] = _mask_free(v, sentinel)
     return out
 
 
