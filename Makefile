@@ -4,7 +4,7 @@ PY ?= python
 # bundles CUDA) or a CUDA index such as https://download.pytorch.org/whl/cu128
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: install install-dev serve test test-fast lint bench demo-pair lock smoke
+.PHONY: install install-dev serve test test-fast test-core test-torch211 lint bench demo-pair lock smoke
 install:
 	$(PY) -m pip install torch==2.13.0 --index-url $(TORCH_INDEX_URL)
 	$(PY) -m pip install -e ".[test]"
@@ -24,6 +24,15 @@ test:
 # the core engine and server tests: the heavy ones are marked slow (tests/conftest.py)
 test-fast:
 	$(PY) -m pytest -q -m "not slow"
+
+# the core tests (engine exactness on hf/native/hybrid, draft, compile, sampling; tests/conftest.py lists them)
+test-core:
+	$(PY) -m pytest -q -m core
+
+# CI's short job: the core tests on the GPU host's torch 2.11 and transformers 5.17 (Python 3.12 when there is
+# one), in a venv cached under ~/.cache/dflash-ci (the first run downloads torch's CUDA wheels, ~4.6 GB)
+test-torch211:
+	.ci/core_torch211.sh
 
 lint:
 	ruff check .

@@ -223,33 +223,50 @@ class EngineConfig:
     device: str = _setting("auto", "auto, cpu, cuda, cuda:N")
     dtype: str = _setting("auto", "auto, float32, bfloat16, float16")
     backend: str = _setting(
-        "auto", "target forward: native (batched, slot caches; Qwen3, Llama, Qwen2, Qwen3-MoE and the hybrids "
+        "auto", "target forward: native (batched, paged KV pool; Qwen3, Llama, Qwen2, Qwen3-MoE and the hybrids "
         "Qwen3.5, Qwen3.5-MoE, Qwen3-Next), hf (transformers, one request per forward; e.g. gpt-oss), auto (native "
         "where it runs the target)")
-    block_size: int | None = _setting(None, "draft block size (default: the draft's)")
+    block_size: int | None = _setting(
+        None, "DFlash draft block size: tokens per draft-and-verify block (the KV cache's block is --kv-block-size) "
+        "(default: the draft's)")
     speculative: bool = _setting(
         True, "DFlash speculative decoding; --no-speculative serves the target autoregressively")
-    max_running_requests: int = _setting(8, "requests decoded concurrently (each holds one KV-cache slot)")
-    max_model_len: int | None = _setting(None, "context length limit (default: the model's)")
+    max_running_requests: int = _setting(
+        256, "the running-request cap (vLLM's --max-num-seqs, same default): at most this many requests decode at "
+        "once; the KV pool decides how many of them fit (the rest wait, and a request is preempted and recomputed "
+        "when blocks run out)")
+    max_model_len: int | None = _setting(
+        None, "context length limit, prompt plus output (default: the model's, lowered to what one request can "
+        "hold when the KV pool is smaller)")
+    kv_block_size: int = _setting(
+        16, "positions per KV-cache block (vLLM's --block-size; here --block-size is the DFlash draft block): the "
+        "unit a request's KV grows by and prefix caching reuses; a power of two <= 256")
+    enable_prefix_caching: bool = _setting(
+        True, "automatic prefix caching: full KV blocks are kept, keyed by their tokens and prefix, and a request "
+        "whose prompt starts with cached blocks prefills only the rest (--no-enable-prefix-caching: off)")
     draft_window: int | None = _setting(
-        None, "the draft attends only to the last N target-context positions, which bounds its KV cache; outputs "
-        "are unchanged, acceptance changes (default: all positions)")
+        None, "the draft attends only to the last N target-context positions (its KV stays in the pool's pages); "
+        "outputs are unchanged, acceptance changes (default: all positions)")
     compile: bool | None = _setting(
         None, "pad decode steps (verify, plain, draft) to static shapes and torch.compile them, with CUDA graphs on "
         "CUDA (default: on for CUDA, off on CPU)")
     compile_batch_sizes: str | None = _setting(
-        None, "batch buckets of the compiled step, comma-separated (default: powers of two up to "
-        "max_running_requests, and max_running_requests)")
+        None, "batch buckets of the compiled step, comma-separated; bigger batches run eagerly (default: powers of "
+        "two up to min(max_running_requests, 64), and that number: a CUDA graph per bucket and key length, so 256 "
+        "running requests do not mean compiling and holding 256-row graphs)")
     compile_widths: str = _setting("1,2,4,8,16", "tokens-per-row buckets of the compiled step, comma-separated")
     compile_cache: str | None = _setting(
         None, "directory of the on-disk compile cache (inductor's; TORCHINDUCTOR_CACHE_DIR): keep it across restarts "
         "and a restart with --compile reuses the compiled graphs (default: torch's, under the temp directory)")
     kv_cache_memory: str | None = _setting(
-        None, "bytes for the KV caches and recurrent states (4GiB, 4GB or an integer): a max_model_len that cannot "
-        "fit is refused; an unset one is the longest that fits (default: not limited)")
+        None, "bytes for the KV pool (target and draft blocks) and a hybrid's recurrent states (4GiB, 4GB or an "
+        "integer); one request of max_model_len must fit, else start-up is refused (default: on CUDA see "
+        "--gpu-memory-utilization; elsewhere a quarter of the available RAM, at most 1 GiB: CPU decoding is "
+        "compute-bound at a few streams, and the pool is zero-filled at start-up)")
     gpu_memory_utilization: float | None = _setting(
-        None, "CUDA: the fraction of the card's memory to use; the caches get it less the weights and an "
-        "activation reserve, as with --kv-cache-memory (default: not limited)")
+        None, "CUDA: the fraction of the card's memory to use; the KV pool gets it less the weights, an "
+        "activation reserve and the logits of the widest step (default: 0.9 unless --kv-cache-memory is set, "
+        "as vLLM)")
     speculation: str = _setting(
         "adaptive", "verify width policy: adaptive (per step, from the draft's confidence and the measured step "
         "costs: narrower under load, plain steps where drafting does not pay) or fixed (always the full block)")
@@ -276,6 +293,9 @@ class EngineConfig:
             raise ValueError("block_size must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if self.kv_block_size < 1 or self.kv_block_size > 256 or self.kv_block_size & (self.kv_block_size - 1):
+            # a power of two: the compiled steps' key buckets (powers of two >= 256) split into whole blocks
+            raise ValueError(f"kv_block_size must be a power of two in 1..256, got {self.kv_block_size}")
         if self.draft_window is not None and self.draft_window < 1:
             raise ValueError("draft_window must be >= 1")
         from dflash_core.memory import parse_bytes

@@ -13,12 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_core.attention import write_kv
 from dflash_core.config import DraftConfig
 from dflash_core.draft_formats import read_draft_config, read_draft_weights
 from dflash_core.layers import RMSNorm, RopeFrequencies, apply_rope, rope_inv_freq
 
-# the position a never-written ring column holds: past every context length, so no query sees it
-_NEVER = 2**62
 _FLOAT32_BUFFERS = ("_inv_freq", "_long_inv_freq")
 
 
@@ -167,81 +166,79 @@ class DraftKVCache:
         self.length += n
 
 
-class SlotDraftCache:
-    """Context keys/values of many requests: per layer one tensor `[slots, kv_heads, C + 1, head_dim]` (a list, so
-    that a compiled step writes each in place), written by position.
+class PagedDraftCache:
+    """Context keys/values of every request, paged in the target's block-id space: per layer one key and one value
+    tensor `[num_blocks * kv_block, kv_heads, head_dim]` (lists, so that a compiled step writes each in place).
 
-    C is `max_len` (column j holds position j) or, with a `window` N smaller than that, N: a ring where position
-    j lives in column j % N and `pos` records the position each column holds, so that a query sees exactly the
-    window's columns. A request uses the row of its slot from the engine's SlotPool (the same index as its target
-    KV rows). The last column is scratch: padding rows of a batch (at `pad_position`) write there and no query ever
-    sees it.
+    Row `b * kv_block + o` is offset o of block b; position p of a request lives in row
+    `blocks[p // kv_block] * kv_block + p % kv_block` of its block table (the same table as its target cache: block
+    i has storage in both models' tensors). Block 0 is the null block: padding rows of a batch write there, and no
+    query sees it (visibility is by position).
     """
 
     def __init__(
-        self, cfg: DraftConfig, max_slots: int, max_len: int, device: torch.device, dtype: torch.dtype,
-        window: int | None = None,
+        self, cfg: DraftConfig, num_blocks: int, kv_block: int, device: torch.device, dtype: torch.dtype
     ) -> None:
-        self.window = window if window is not None and window < max_len else None
-        columns = self.window or max_len
-        shape = (max_slots, cfg.num_key_value_heads, columns + 1, cfg.head_dim)
+        shape = (num_blocks * kv_block, cfg.num_key_value_heads, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
-        self.scratch = columns
-        self.max_slots = max_slots
-        self.pad_position = -1 if self.window else columns
-        self.pos = torch.full((max_slots, columns + 1), _NEVER, device=device) if self.window else None
+        self.num_blocks, self.kv_block = num_blocks, kv_block
 
     @property
     def nbytes(self) -> int:
         """Bytes of the context keys and values (every layer)."""
         return sum(t.nbytes for t in (*self.k, *self.v))
 
-    def columns(self, positions: torch.Tensor) -> torch.Tensor:
-        """The column each position (or `pad_position`) is written to."""
-        if self.window is None:
-            return positions
-        return torch.where(positions < 0, self.scratch, positions % self.window)
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block holds over every layer, keys and values."""
+        return self.nbytes // self.num_blocks
 
-    def batch(self, slots: list[int] | torch.Tensor, ctx_pos: torch.Tensor | None, kv_len: int) -> SlotBatch:
-        return SlotBatch(self, slots, ctx_pos, kv_len)
+    def batch(
+        self, rows: torch.Tensor | None, table: torch.Tensor | None, base: torch.Tensor | None = None
+    ) -> PagedBatch:
+        return PagedBatch(self, rows, table, base)
 
 
-class SlotBatch:
-    """One batched draft call's view of a SlotDraftCache: rows at `ctx_pos` [b, c], keys of the first kv_len
-    columns returned (of a ring: of at most its N columns). `slots` as a tensor (a static step): every row goes
-    through the gather, whatever the batch size."""
+class PagedBatch:
+    """One batched draft call's view of a PagedDraftCache.
+
+    `rows` [b, c]: the flat rows the call's new context rows go to (padding: rows of block 0). `table` [b, M]: the
+    blocks whose keys the queries attend over, row r's column j being its block `base[r] + j` (`base` None: 0; a
+    window gathers only the blocks it covers), entries past a request's blocks 0; None: the call only writes. The
+    gathered keys are at positions `(base + j) * kv_block + o`; the caller hides those a query must not see.
+    """
 
     def __init__(
-        self, cache: SlotDraftCache, slots: list[int] | torch.Tensor, ctx_pos: torch.Tensor | None, kv_len: int
+        self, cache: PagedDraftCache, rows: torch.Tensor | None, table: torch.Tensor | None,
+        base: torch.Tensor | None = None,
     ) -> None:
-        self.cache, self.ctx_pos = cache, ctx_pos
-        self.kv_len = kv_len if cache.window is None else min(kv_len, cache.window)
-        static = isinstance(slots, torch.Tensor)
-        self.slots = slots if static else torch.tensor(slots, device=cache.k[0].device)
-        self.single = slots[0] if not static and len(slots) == 1 else None
-        self.cols = None if ctx_pos is None else cache.columns(ctx_pos)
-        if cache.pos is not None and ctx_pos is not None:
-            # a failed call leaves these marks; its retry rewrites the same columns, and a column overwritten by a
-            # position >= N later holds one no query of this request can need any more
-            cache.pos[self.slots[:, None], self.cols] = ctx_pos
+        self.cache, self.rows, self.table, self.base = cache, rows, table, base
 
     def update(
         self, layer: int, k: torch.Tensor | None, v: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Write new rows k, v [b, kv_heads, c, d] (when given); return the table's keys/values [b, kv_heads, L, d]."""
         kc, vc = self.cache.k[layer], self.cache.v[layer]
-        if k is not None and k.shape[2]:
-            kc[self.slots[:, None], :, self.cols] = k.transpose(1, 2)
-            vc[self.slots[:, None], :, self.cols] = v.transpose(1, 2)
-        if self.single is not None:
-            return kc[self.single, :, : self.kv_len][None], vc[self.single, :, : self.kv_len][None]
-        return kc[self.slots, :, : self.kv_len], vc[self.slots, :, : self.kv_len]
+        if k is not None and v is not None and k.shape[2]:
+            assert self.rows is not None
+            flat = self.rows.reshape(-1)
+            write_kv(kc, vc, flat, k.transpose(1, 2).reshape(-1, *kc.shape[1:]),
+                     v.transpose(1, 2).reshape(-1, *vc.shape[1:]))
+        if self.table is None:
+            return None, None
+        # by block: one index per block, and a view of the cache (never a copy of it)
+        kb = self.cache.kv_block
+        keys = kc.view(-1, kb, *kc.shape[1:])[self.table].flatten(1, 2).transpose(1, 2)
+        values = vc.view(-1, kb, *vc.shape[1:])[self.table].flatten(1, 2).transpose(1, 2)
+        return keys, values
 
     def key_positions(self, batch: int, n: int, device: torch.device) -> torch.Tensor:
-        """Positions [batch, n] of the keys `update` returned (a ring's from `pos`)."""
-        if self.cache.pos is None:
-            return torch.arange(n, device=device).expand(batch, n)
-        return self.cache.pos[self.slots, :n]
+        """Positions [batch, n] of the keys `update` returned."""
+        pos = torch.arange(n, device=device)
+        if self.base is None:
+            return pos.expand(batch, n)
+        return self.base[:, None] * self.cache.kv_block + pos[None]
 
     def commit(self, n: int) -> None:
         pass
@@ -350,7 +347,7 @@ class DFlashDraft(nn.Module):
         return visible if base is None else visible & base
 
     def write_context(
-        self, ctx_features: torch.Tensor, ctx_pos: torch.Tensor, cache: DraftKVCache | SlotBatch, last: torch.Tensor
+        self, ctx_features: torch.Tensor, ctx_pos: torch.Tensor, cache: DraftKVCache | PagedBatch, last: torch.Tensor
     ) -> None:
         """Write the keys/values of context rows [b, c, len(ids)*H] at ctx_pos [b, c] to the cache, with no block:
         exactly the rows `forward` would write for them (`last` [b]: the RoPE type's long switch, as there)."""
@@ -366,7 +363,7 @@ class DFlashDraft(nn.Module):
         block_pos: torch.Tensor,
         ctx_features: torch.Tensor | None,
         ctx_pos: torch.Tensor | None,
-        cache: DraftKVCache | SlotBatch | None = None,
+        cache: DraftKVCache | PagedBatch | None = None,
         mask: torch.Tensor | None = None,
         ctx_len: torch.Tensor | None = None,
         block_len: torch.Tensor | None = None,

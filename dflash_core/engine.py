@@ -17,19 +17,21 @@ from typing import Any
 
 import torch
 
-from dflash_core.chat import as_token_ids
 from dflash_core.grammar import GrammarBackend, GrammarState
+from dflash_core.kv.manager import KVManager
+from dflash_core.kv.pool import KVStats
+from dflash_core.kv.requests import RequestMemory
 from dflash_core.outputs import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, StepOutput, TokenLogprob
 from dflash_core.pace import DecodePace
 from dflash_core.processors import build_processor
-from dflash_core.request_state import EngineRequest
+from dflash_core.request_state import EngineRequest, checked_prompt
 from dflash_core.runners.base import Drafter, DraftRequest, Proposal, TargetOutput, TargetRow, TargetRunner
 from dflash_core.sampling import (
+    Block,
     SamplingParams,
-    choose_token_tensor,
+    choose_step,
     choose_tokens,
     resolve_seed,
-    rows_to_host,
     token_logprobs,
 )
 from dflash_core.scheduler import Chunk, Scheduler
@@ -46,11 +48,12 @@ _KEEP_FINISHED_STATS = 4096
 class Engine:
     """Serves many requests, one draft+verify iteration each per `step()`. Not thread-safe.
 
-    Each running request holds one slot of `self.slots` (its target cache and draft state are created for that
-    slot); requests beyond the free slots wait, in order, for one to be released. `speculation` is the width
-    policy ("fixed": the full block, the default here; "adaptive", the default of `EngineConfig`, see
-    `dflash_core.speculation`); `max_num_batched_tokens` and `prefill_chunk`
-    are the scheduler's step budget and prefill chunk size (None: unbounded).
+    Each admitted request holds a slot and, on a paged runner, KV blocks (`self.kv`; `self.memory` runs their life:
+    admission, prefix hits, preemption, release). Requests that cannot be admitted wait, in order; a running request
+    short of blocks makes the newest running one give its memory back and be recomputed later, with the same output.
+    `speculation` is the width policy ("fixed": the full block, the default here; "adaptive", the default of
+    `EngineConfig`, see `dflash_core.speculation`); `max_num_batched_tokens` and `prefill_chunk` are the
+    scheduler's step budget and prefill chunk size (None: unbounded).
     """
 
     def __init__(
@@ -60,52 +63,44 @@ class Engine:
         eos_token_ids: list[int] | None = None,
         max_model_len: int | None = None,
         max_slots: int | None = None,
-        slots: SlotPool | None = None,
+        kv: KVManager | None = None,
         speculation: str = "fixed",
         max_num_batched_tokens: int | None = None,
         prefill_chunk: int | None = None,
         grammar: GrammarBackend | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
         self.target = target
         self.drafter = drafter
         self.grammar = grammar  # compiles structured outputs (None: requests with `structured` are refused)
-        if slots is None:  # engines that share a runner must share its pool: pass `slots`
-            limits = [n for n in (max_slots, target.max_slots, drafter and drafter.max_slots) if n is not None]
-            slots = SlotPool(min(limits) if limits else None)
-        self.slots = slots
         self.block_size = drafter.block_size if drafter is not None else 1
+        if kv is None:  # engines that share a runner must share its KV memory: pass `kv`
+            kv = KVManager.for_runners(target, drafter, max_slots, enable_prefix_caching)
+        self.kv = kv
+        self.memory = RequestMemory(kv, target, drafter, self.block_size)
         self.eos_token_ids = list(eos_token_ids or [])
         self.max_model_len = int(max_model_len or target.max_position_embeddings)
         self._ids = itertools.count()
         self._active: dict[int, EngineRequest] = {}
         self._finished: OrderedDict[int, RequestStats] = OrderedDict()
-        self.scheduler = Scheduler(self.slots, max_num_batched_tokens, prefill_chunk)
+        self.scheduler = Scheduler(self.memory.admit, max_num_batched_tokens, prefill_chunk)
         self.policy = WidthPolicy(self.block_size, speculation, padded=target.pads_rows)
         self.pace = DecodePace()  # decode step times, the speedup estimate
         self.clock = StepClock(device_timer(target.device))  # every cost sample: device time, read after a sync
 
+    @property
+    def slots(self) -> SlotPool:
+        return self.kv.slots
+
+    def kv_stats(self) -> KVStats | None:
+        """Block pool usage, prefix-cache queries and hits (tokens) and preemptions; None when not paged."""
+        return None if self.kv.pool is None else self.kv.pool.stats(self.memory.preemptions)
+
     # ---- requests ----
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Queue a request; raises ValueError on bad input."""
-        params.validate()
-        try:
-            prompt = as_token_ids(prompt_token_ids)
-        except (TypeError, ValueError, KeyError) as exc:
-            raise ValueError(f"prompt must be a list of token ids ({exc})") from None
-        if not prompt:
-            raise ValueError("prompt must contain at least one token")
         vocab = self.target.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
-        if len(prompt) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
-                f"context length ({self.max_model_len})"
-            )
-        if any(t >= vocab for t in params.logit_bias):
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        prompt = checked_prompt(prompt_token_ids, params, vocab, self.max_model_len)
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop.update(self.eos_token_ids)
@@ -149,8 +144,8 @@ class Engine:
         return len(self._active)
 
     def num_waiting(self) -> int:
-        """Requests not yet decoding: waiting for a slot or being prefilled."""
-        return self.scheduler.num_waiting()
+        """Requests not admitted yet (vLLM's "waiting"): no slot or KV blocks for them now, or preempted."""
+        return len(self.scheduler.waiting)
 
     def warm_up(self) -> None:
         """Before serving, on the thread that will run the steps (recorded CUDA graphs are per thread): the runners'
@@ -213,8 +208,9 @@ class Engine:
         outputs: list[StepOutput] = []
         for req in plan.aborted:
             self._emit(req, StepOutput(req.id, [], finish_reason=FINISH_ABORT), outputs)
-        if plan.decode:
-            for req, out in self._decode_batch(plan.decode, plan.verify_budget):
+        decode = self.memory.make_room(plan.decode, self.scheduler.running, self._preempt) if plan.decode else []
+        if decode:
+            for req, out in self._decode_batch(decode, plan.verify_budget):
                 self._emit(req, out, outputs)
         if plan.prefill:
             for req, out in self._prefill_batch(plan.prefill):
@@ -248,22 +244,19 @@ class Engine:
     def _retire(self, req: EngineRequest) -> None:
         del self._active[req.id]
         self.scheduler.remove(req)
-        req.cache = req.draft_state = None  # both caches dropped before their slot is free again
-        if req.slot is not None:
-            self.slots.release(req.slot)
-            req.slot = None
+        self.memory.release(req)
         self._finished[req.id] = req.stats
         while len(self._finished) > _KEEP_FINISHED_STATS:
             self._finished.popitem(last=False)
 
     def _start(self, req: EngineRequest) -> None:
-        """Take a slot; create the request's target cache and draft state in it."""
-        req.slot = self.slots.allocate()
-        req.cache = self.target.new_cache(req.slot)
-        if self.drafter is not None:
-            req.draft_state = self.drafter.new_state(req.slot, req.prompt)
+        self.memory.start(req)
+        if self.drafter is not None and req.spec is None:  # a resumed request keeps its history
             req.spec = self.policy.new_state()
-        self.scheduler.started(req)
+
+    def _preempt(self, req: EngineRequest) -> None:
+        self.memory.preempt(req)
+        self.scheduler.preempted(req)
 
     def _forward_rows(
         self, rows: list[TargetRow], features: bool, last_only: bool
@@ -324,16 +317,22 @@ class Engine:
         return done
 
     def _prefilled(self, req: EngineRequest, chunk: Chunk, out: TargetOutput) -> StepOutput | None:
-        """A chunk is in the cache; after the last one, choose the first token."""
+        """A chunk is in the cache; after the last one, choose the first token (a resumed request has it: it
+        decodes on from where its preemption left it)."""
         if req.draft_state is not None and out.features is not None:
             self.drafter.extend_context(req.draft_state, out.features)
         req.prefilled = chunk.start + len(chunk.tokens)
-        if not chunk.last:
+        if not chunk.last or req.resumed:
+            if chunk.last:
+                self.scheduler.prefilled(req)
+            self.memory.register(req)
             return None
         token = choose_tokens(self._processed(req, out.logits, []), req.params, req.seed, len(req.prompt))
         req.position = len(req.prompt)
         self.scheduler.prefilled(req)
-        return self._commit(req, token, out.logits, StepOutput(req.id, [], is_prefill=True))
+        step = self._commit(req, token, out.logits, StepOutput(req.id, [], is_prefill=True))
+        self.memory.register(req)
+        return step
 
     def _draft_width(self, req: EngineRequest) -> int:
         """Draft tokens to propose: B-1, fewer when max_tokens is closer."""
@@ -428,19 +427,15 @@ class Engine:
     def _choices(
         self, plans: list[tuple[EngineRequest, list[int]]], outs: list[TargetOutput | BaseException]
     ) -> list[list[int] | BaseException]:
-        """The target's own choice at every verify row of every request, computed on the device and brought to
-        the host in ONE transfer for the whole step (a request whose processing fails gets its exception)."""
-        rows: list[torch.Tensor | BaseException | None] = []
-        for (req, props), out in zip(plans, outs):
-            if isinstance(out, BaseException):
-                rows.append(None)
-                continue
-            try:
-                logits = self._processed(req, out.logits, props)
-                rows.append(choose_token_tensor(logits, req.params, req.seed, req.position + 1))
-            except Exception as exc:
-                rows.append(exc)
-        return rows_to_host(rows)
+        """The target's own choice at every verify row of every request, as ONE batched computation for the step
+        (`sampling.choose_step`): the inputs of every request's processing in one copy to the device, the rows
+        stacked, and ONE transfer of all choices to the host (a request whose processing fails gets its exception).
+        Row i of a request picks the token at position req.position + 1 + i."""
+        return choose_step([
+            None if isinstance(out, BaseException) else Block(
+                out.logits, req.params, req.seed, req.position + 1, req.processor, req.output, props)
+            for (req, props), out in zip(plans, outs)
+        ])
 
     def _accept(self, req: EngineRequest, proposals: list[int], out: TargetOutput, chosen: list[int]) -> StepOutput:
         """Keep the longest prefix of the draft that the target agrees with, plus the target's own next token.
@@ -470,7 +465,9 @@ class Engine:
             verify_width=len(proposals) + 1,
         )
         # The accepted draft tokens (equal to the target's choices), then the target's own token after them.
-        return self._commit(req, proposals[:accepted] + chosen[accepted : accepted + 1], out.logits, step)
+        step = self._commit(req, proposals[:accepted] + chosen[accepted : accepted + 1], out.logits, step)
+        self.memory.register(req)
+        return step
 
     def _commit(self, req: EngineRequest, tokens: list[int], logits: torch.Tensor, step: StepOutput) -> StepOutput:
         """Append tokens, cutting at the first stop token or at max_tokens; fill in logprobs."""

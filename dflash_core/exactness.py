@@ -88,12 +88,15 @@ def compare_greedy(
     return Divergence(i, tokens, (top[0], top[1]), gap, margin, gap <= margin)
 
 
-def runner_logits(target: Any, prompt: Sequence[int], slot: int = 0) -> Callable[[Sequence[int]], torch.Tensor]:
+def runner_logits(
+    target: Any, prompt: Sequence[int], slot: int = 0, blocks: list[int] | None = None
+) -> Callable[[Sequence[int]], torch.Tensor]:
     """`logits_at` for `compare_greedy` from a target runner (native, hybrid or hf): one plain forward of the prompt
-    and the prefix into a fresh cache of `slot` (free it first: it is overwritten), in the runner's own dtype."""
+    and the prefix into a fresh cache of `slot` (free it first: it is overwritten), in the runner's own dtype. On a
+    runner an engine owns, `blocks` are blocks no request holds (`KVManager.borrow`) long enough for the forward."""
 
     def logits_at(prefix: Sequence[int]) -> torch.Tensor:
-        cache = target.new_cache(slot)
+        cache = target.new_cache(slot, blocks)
         with torch.inference_mode():
             out = target.forward([*prompt, *prefix], 0, cache, features=False, last_only=True)
         return out.logits.reshape(-1)

@@ -329,6 +329,32 @@ def _translate(structured: StructuredOutput) -> str:
         raise ValueError(f"{structured.kind} does not compile: {exc}") from None
 
 
+def pack_masks(masks: Sequence[torch.Tensor | None], vocab_size: int) -> torch.Tensor:
+    """Rows of allowed tokens (bool [vocab_size]; None: every token) as llguidance's / xgrammar's int32 bitmask
+    (bit j of word w is token 32 w + j), an even number of words per row so that the rows also read as int64
+    words (bit j of word w is token 64 w + j, little-endian) -> int32 [len(masks), 2 * ceil(vocab_size / 64)]."""
+    import torch
+
+    words64 = (vocab_size + 63) // 64
+    bits = torch.ones(len(masks), words64 * 64, dtype=torch.bool)
+    for i, allowed in enumerate(masks):
+        if allowed is not None:
+            bits[i, :vocab_size] = allowed[:vocab_size]
+    weights = torch.ones(8, dtype=torch.int32) << torch.arange(8, dtype=torch.int32)
+    packed = (bits.view(len(masks), -1, 8).to(torch.int32) * weights).sum(-1).to(torch.uint8)  # little bit order
+    return packed.view(torch.int32)
+
+
+def unpack_masks(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """`pack_masks`' rows read as int64 words ([n, ceil(vocab_size / 64)], any device) -> bool [n, vocab_size], by
+    shift and and, on the words' device."""
+    import torch
+
+    shifts = torch.arange(64, device=words.device, dtype=torch.int64)
+    bits = (words[:, :, None] >> shifts) & 1  # arithmetic shift: bit 63 still reads as its own bit
+    return bits.reshape(words.shape[0], -1)[:, :vocab_size].bool()
+
+
 class _LLGuidanceMatcher(TokenMatcher):
     """llguidance's LLMatcher, with the request's stop ids as the grammar's end: llguidance's own end token (the
     tokenizer's EOS) only tells that the grammar is accepting; a stop id is allowed exactly then, and accepting

@@ -17,14 +17,20 @@ from dflash_core.draft_formats import read_draft_config
 from dflash_core.engine import Engine
 from dflash_core.grammar import LLGuidanceBackend
 from dflash_core.memory import (
+    ACTIVATION_RESERVE,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
     MemoryBudget,
-    SlotCosts,
+    PoolCosts,
+    available_memory,
     cuda_cache_budget,
     kv_bytes_per_row,
+    no_pool,
     normalize_shape,
     parse_bytes,
     plan_memory,
+    ram_cache_budget,
     state_bytes_per_slot,
+    verify_logits_bytes,
 )
 from dflash_core.runners.base import TargetRunner
 from dflash_core.runners.drafter import DFlashDrafter
@@ -37,6 +43,10 @@ log = logging.getLogger("dflash.loading")
 DEMO_DIR = Path(__file__).resolve().parent / "demo_models"
 DEMO_TARGET = DEMO_DIR / "target"
 DEMO_DRAFT = DEMO_DIR / "draft"
+# The largest default batch bucket of the compiled step: each bucket is a CUDA graph per width and key length, so
+# --max-num-seqs 256 must not mean compiling (and holding the memory of) 256-row graphs; a step of more running
+# requests runs eagerly, where the per-launch overhead that graphs remove is small next to a batch that wide.
+MAX_STATIC_BATCH = 64
 
 _DTYPES = {
     "float32": torch.float32,
@@ -135,7 +145,8 @@ def load_models(config: EngineConfig, warm_up: bool = True) -> LoadedModels:
     """Load target + draft + tokenizer into an Engine, as `config` says. No target means the bundled demo pair.
 
     backend "hf" runs the transformers model one request per forward; "native" runs our batched forward over a
-    slot KV cache sized `max_running_requests` x (max_model_len + block); "auto" picks native where supported.
+    paged KV pool (target and draft pages, one block-id space) sized by the memory plan; "auto" picks native where
+    supported.
     `warm_up`: the runners' compile warm-up runs here, on the calling thread; recorded CUDA graphs are per thread,
     so a caller whose steps run on another thread passes False and runs `Engine.warm_up` there.
     """
@@ -157,11 +168,14 @@ def load_models(config: EngineConfig, warm_up: bool = True) -> LoadedModels:
     cfg = read_draft_config(draft_path) if draft_path is not None else None
     layer_ids = cfg.target_layer_ids if cfg is not None else None
     block = (block_size or cfg.block_size) if cfg is not None else 1
-    slots = config.max_running_requests
     budget = memory_budget(config, model, cfg, dev, dt, block)
+    for note in budget.notes:
+        log.info("memory plan: %s", note)
     log.info("%s", budget.summary())
-    static = static_shapes(config, dev)
-    target_model = make_target(model, layer_ids, config.backend, slots, budget.max_model_len, block, static)
+    slots = budget.slots  # the running cap, lowered for a hybrid whose recurrent states would not fit
+    static = static_shapes(config, dev, slots)
+    target_model = make_target(model, layer_ids, config.backend, slots, budget.max_model_len, block, static,
+                               num_blocks=budget.num_blocks, kv_block=config.kv_block_size)
     drafter = None
     if cfg is not None:
         check_pair(cfg, target_model)
@@ -179,7 +193,7 @@ def load_models(config: EngineConfig, warm_up: bool = True) -> LoadedModels:
     engine = Engine(target_model, drafter, eos_token_ids=eos_token_ids(model, tok), max_model_len=budget.max_model_len,
                     max_slots=slots, grammar=LLGuidanceBackend(tok, target_model.vocab_size),
                     speculation=config.speculation, max_num_batched_tokens=config.max_num_batched_tokens,
-                    prefill_chunk=config.prefill_chunk or None)
+                    prefill_chunk=config.prefill_chunk or None, enable_prefix_caching=config.enable_prefix_caching)
     return LoadedModels(
         engine=engine,
         tokenizer=tok,
@@ -193,63 +207,82 @@ def load_models(config: EngineConfig, warm_up: bool = True) -> LoadedModels:
     )
 
 
-def static_shapes(config: EngineConfig, device: torch.device) -> StaticShapes | None:
-    """The buckets of the compiled decode step, or None when compile is off (--no-compile; on CPU by default)."""
+def static_shapes(config: EngineConfig, device: torch.device, slots: int | None = None) -> StaticShapes | None:
+    """The buckets of the compiled decode step, or None when compile is off (--no-compile; on CPU by default).
+    Default batch buckets: powers of two up to the running cap, at most MAX_STATIC_BATCH (see there)."""
     if not compile_enabled(config.compile, device):
         return None
     use_compile_cache(config.compile_cache)
     batch = parse_sizes(config.compile_batch_sizes, "compile_batch_sizes")
     widths = parse_sizes(config.compile_widths, "compile_widths")
     assert widths is not None
-    return StaticShapes(batch or default_batch_sizes(config.max_running_requests), widths)
+    cap = min(slots or config.max_running_requests, MAX_STATIC_BATCH)
+    return StaticShapes(batch or default_batch_sizes(cap), widths)
 
 
-def slot_costs(
-    model: Any, draft_cfg: DraftConfig | None, dtype: torch.dtype, block: int, static: bool = False
-) -> SlotCosts:
-    """Bytes per slot of the loaded pair, as the runners allocate them: target KV rows of max_model_len + block +
-    1 (+ 1 with static steps: their scratch column), a hybrid's recurrent state, draft rows max_model_len + block
-    + 2."""
+def pool_costs(model: Any, draft_cfg: DraftConfig | None, dtype: torch.dtype, block: int, kv_block: int) -> PoolCosts:
+    """Bytes per position of the loaded pair's KV pool, as the runners allocate it (target attention layers' K and
+    V, the draft's layers' K and V in the same block ids), a hybrid's recurrent state per running request, and the
+    block + 1 positions a request may reach beyond max_model_len (the runners' max_len)."""
     nbytes = torch.tensor([], dtype=dtype).element_size()
     shape = normalize_shape(model.config.to_dict())
     draft_row = 0
     if draft_cfg is not None:
         draft_row = 2 * draft_cfg.num_hidden_layers * draft_cfg.num_key_value_heads * int(draft_cfg.head_dim) * nbytes
-    state = state_bytes_per_slot(shape, nbytes)
-    scratch = 1 if static and not state else 0  # the hybrid runner runs eagerly: no scratch column
-    return SlotCosts(kv_bytes_per_row(shape, nbytes), draft_row, state,
-                     target_extra_rows=block + 1 + scratch, draft_extra_rows=block + 2)
+    return PoolCosts(kv_bytes_per_row(shape, nbytes), draft_row, state_bytes_per_slot(shape, nbytes), kv_block,
+                     extra_len=block + 1)
+
+
+def paged(model: Any, backend: str) -> bool:
+    """Whether the target runs on a paged runner (native), which has a KV pool to plan; hf has none."""
+    return backend != "hf" and native_runner(model)[0] is not None
 
 
 def memory_budget(
     config: EngineConfig, model: Any, draft_cfg: DraftConfig | None, device: torch.device, dtype: torch.dtype,
     block: int,
 ) -> MemoryBudget:
-    """The start-up memory plan: from --kv-cache-memory, or (CUDA) --gpu-memory-utilization less the weights and
-    an activation reserve; ValueError when the setting cannot fit (it says what would). Runs before the caches
-    and the draft's weights are allocated (the draft is counted from its shape)."""
+    """The start-up memory plan: the KV pool from --kv-cache-memory, else on CUDA --gpu-memory-utilization (0.9
+    by default) less the weights, an activation reserve and the widest step's logits, else a share of the free RAM
+    (`ram_cache_budget`); ValueError when one request of max_model_len cannot fit (it says what would). Runs after
+    the target's weights load and before the caches and the draft's weights are allocated (the draft is counted
+    from its shape)."""
     nbytes = torch.tensor([], dtype=dtype).element_size()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    draft_weights = 0
     if draft_cfg is not None:
         with torch.device("meta"):
-            weights += sum(p.numel() for p in DFlashDraft(draft_cfg).parameters()) * nbytes
-    costs = slot_costs(model, draft_cfg, dtype, block, static=compile_enabled(config.compile, device))
+            draft_weights = sum(p.numel() for p in DFlashDraft(draft_cfg).parameters()) * nbytes
+    weights += draft_weights
     slots = config.max_running_requests
-    cache_budget, source = None, "no budget set"
+    model_max = int(getattr(model.config, "max_position_embeddings", 4096))
+    if not paged(model, config.backend):
+        if config.kv_cache_memory is not None or config.gpu_memory_utilization is not None:
+            log.warning("the hf backend has no KV pool: --kv-cache-memory / --gpu-memory-utilization are not applied")
+        return no_pool(weights, slots, config.max_model_len or model_max, config.kv_block_size)
+    costs = pool_costs(model, draft_cfg, dtype, block, config.kv_block_size)
     if config.kv_cache_memory is not None:
         cache_budget, source = parse_bytes(config.kv_cache_memory), f"--kv-cache-memory {config.kv_cache_memory}"
-    elif config.gpu_memory_utilization is not None:
-        if device.type != "cuda":
-            raise ValueError(f"--gpu-memory-utilization sizes the caches of a CUDA card; on {device.type} use "
-                             f"--kv-cache-memory")
-        total = torch.cuda.get_device_properties(device).total_memory
-        logits = slots * max(block, 16) * int(model.config.vocab_size) * 4
-        cache_budget = cuda_cache_budget(config.gpu_memory_utilization, total, weights, logits)
-        source = f"--gpu-memory-utilization {config.gpu_memory_utilization} of {total / 1e9:.1f} GB"
+    elif device.type == "cuda":
+        utilization = config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+        free, total = torch.cuda.mem_get_info(device)
+        logits = verify_logits_bytes(slots, block, int(model.config.vocab_size), config.max_num_batched_tokens)
+        cache_budget = cuda_cache_budget(utilization, total, weights, logits)
+        source = f"--gpu-memory-utilization {utilization} of {total / 1e9:.1f} GB"
+        # never more than the card has free now (another process, or another engine of this one, holds the rest):
+        # the target's weights are loaded already, the draft's are still to come
+        room = free - draft_weights - ACTIVATION_RESERVE - logits
+        if room < cache_budget:
+            cache_budget, source = room, f"{source}, capped by the {free / 1e9:.1f} GB free"
         if cache_budget <= 0:
-            raise ValueError(f"{source} leaves nothing for caches after {weights / 1e9:.2f} GB of weights and the "
-                             f"activation reserve; raise it")
-    model_max = int(getattr(model.config, "max_position_embeddings", 4096))
+            raise ValueError(f"{source} leaves nothing for the KV pool after {weights / 1e9:.2f} GB of weights, the "
+                             f"activation reserve and {logits / 1e9:.2f} GB of logits; raise it")
+    elif config.gpu_memory_utilization is not None:
+        raise ValueError(f"--gpu-memory-utilization sizes the caches of a CUDA card; on {device.type} use "
+                         f"--kv-cache-memory")
+    else:
+        cache_budget = ram_cache_budget(available_memory(), pending=draft_weights)
+        source = f"the {device.type} default (a quarter of the available RAM, at most 1 GiB; set --kv-cache-memory)"
     return plan_memory(costs, weights, slots, config.max_model_len, model_max, cache_budget, source)
 
 
@@ -264,9 +297,10 @@ def native_runner(model: Any) -> tuple[type[NativeTarget] | None, str | None]:
 
 def make_target(
     model: Any, layer_ids: list[int] | None, backend: str, max_slots: int, max_model_len: int | None, block: int,
-    static: StaticShapes | None = None,
+    static: StaticShapes | None = None, num_blocks: int | None = None, kv_block: int = 16,
 ) -> TargetRunner:
-    """The target runner for `backend` (hf, native or auto: native where it runs the model)."""
+    """The target runner for `backend` (hf, native or auto: native where it runs the model). A native runner's KV
+    pool has `num_blocks` blocks of `kv_block` positions (None: every slot at full length, the runners' default)."""
     if backend not in ("hf", "native", "auto"):
         raise ValueError(f"unknown backend {backend!r}; choose hf, native or auto")
     runner, reason = native_runner(model)
@@ -284,5 +318,6 @@ def make_target(
     if runner is HybridTarget:
         if static is not None:  # its recurrent layers record per-row state for rollback, in Python
             log.info("compile: the hybrid runner's steps run eagerly")
-        return runner(model, layer_ids, max_slots=max_slots, max_len=max_len)
-    return runner(model, layer_ids, max_slots=max_slots, max_len=max_len, static=static)
+        return runner(model, layer_ids, max_slots=max_slots, max_len=max_len, num_blocks=num_blocks, kv_block=kv_block)
+    return runner(model, layer_ids, max_slots=max_slots, max_len=max_len, static=static, num_blocks=num_blocks,
+                  kv_block=kv_block)

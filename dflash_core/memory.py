@@ -1,5 +1,6 @@
-"""Memory arithmetic, in one place: the bytes a slot costs (target KV rows, draft KV rows, a hybrid's recurrent
-state), and the start-up budget that sizes slots x length from `--kv-cache-memory` or `--gpu-memory-utilization`.
+"""Memory arithmetic, in one place: the bytes of a KV block (target and draft pages), a hybrid's per-request
+recurrent state, and the start-up plan that sizes the KV pool from `--kv-cache-memory` or
+`--gpu-memory-utilization` (by default: 0.9 of a CUDA card, as vLLM; elsewhere a share of the free RAM).
 
 `dflash-bench memory` (`dflash_core/bench/memory.py`) estimates presets with the same functions; `load_models`
 plans the budget from the loaded models (`plan_memory`), logs it, and refuses a setting that cannot fit.
@@ -7,6 +8,7 @@ plans the budget from the loaded models (`plan_memory`), logs it, and refuses a 
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +18,15 @@ GIB = 1 << 30
 # Activations beside the caches on CUDA (prefill chunks, the MLP of a verify batch, allocator slack), plus the
 # float32 logits of a full verify batch (added per setting in `cuda_cache_budget`).
 ACTIVATION_RESERVE = 2 * GIB
+# The CUDA default when neither budget flag is set (vLLM's default --gpu-memory-utilization).
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# The default budget off CUDA: a quarter of the available RAM, at most 1 GiB. CPU decoding is compute-bound at a
+# few streams, so a bigger pool buys little there, while the pool is zero-filled at start-up (about a second per
+# GiB on a small machine) and RAM is shared with the weights and the OS. 1 GiB holds 131k tokens of the demo pair
+# (float32) or ~3,200 of Qwen3-8B with its draft in float32; --kv-cache-memory sets more.
+RAM_KV_DEFAULT_CAP = 1 * GIB
+RAM_KV_FRACTION = 0.25
+SHORT_REQUEST = 2048  # the second request length the plan's log line (and `dflash-bench memory`) reports
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -93,95 +104,187 @@ def normalize_shape(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# ---- per slot ----
+# ---- the KV pool ----
 @dataclass(frozen=True)
-class SlotCosts:
-    """What one slot costs: `target_row` / `draft_row` bytes per cached position, `state` fixed bytes (a hybrid's
-    windows and recurrent states), and the rows a slot holds beyond `max_model_len` (the verify block, the
-    scratch column)."""
+class PoolCosts:
+    """What the KV pool costs: `target_row` / `draft_row` bytes per cached position (the draft's pages share the
+    target's block ids, so a block holds both), `state` fixed bytes per running request (a hybrid's convolution
+    windows and recurrent states), the KV block of `kv_block` positions, and `extra_len`: positions a request may
+    reach beyond max_model_len (its verify block and one more, as the runners' `max_len`)."""
 
     target_row: int
     draft_row: int
     state: int
-    target_extra_rows: int
-    draft_extra_rows: int
+    kv_block: int
+    extra_len: int
 
-    def target_kv(self, max_model_len: int) -> int:
-        return self.target_row * (max_model_len + self.target_extra_rows)
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block: target and draft pages of `kv_block` positions."""
+        return self.kv_block * (self.target_row + self.draft_row)
 
-    def draft_kv(self, max_model_len: int) -> int:
-        return self.draft_row * (max_model_len + self.draft_extra_rows) if self.draft_row else 0
+    def request_blocks(self, tokens: int) -> int:
+        """Blocks one request of `tokens` positions (prompt + output) holds at most."""
+        return -(-(tokens + self.extra_len) // self.kv_block)
 
-    def per_slot(self, max_model_len: int) -> int:
-        return self.target_kv(max_model_len) + self.draft_kv(max_model_len) + self.state
+    def min_blocks(self, max_model_len: int) -> int:
+        """vLLM's rule: one request of max_model_len must fit (plus block 0, the null block, never handed out)."""
+        return self.request_blocks(max_model_len) + 1
 
-    def max_len_within(self, per_slot: int) -> int:
-        """The longest max_model_len whose slot fits in `per_slot` bytes (0 when none does)."""
-        row = self.target_row + self.draft_row
-        room = per_slot - self.state - self.target_row * self.target_extra_rows - (
-            self.draft_row * self.draft_extra_rows if self.draft_row else 0)
-        return max(0, room // row) if row else 0
+    def max_len_within(self, num_blocks: int) -> int:
+        """The longest max_model_len whose request fits `num_blocks` blocks (0 when none does)."""
+        return max(0, (num_blocks - 1) * self.kv_block - self.extra_len)
 
 
 @dataclass(frozen=True)
 class MemoryBudget:
-    """The start-up memory plan: weights, and the caches of `slots` slots of `max_model_len` positions."""
+    """The start-up memory plan: weights, and the KV pool of `num_blocks` blocks of `kv_block` positions (block 0
+    the null block) beside `slots` running requests' recurrent states. `num_blocks` None: no pool (hf backend)."""
 
     weights: int
     slots: int
     max_model_len: int
+    kv_block: int
+    num_blocks: int | None
     target_kv: int
     draft_kv: int
     state: int
     cache_budget: int | None  # bytes the caches may take (None: not limited)
     source: str  # where the budget came from ("--kv-cache-memory 4GiB", ...), or "no budget set"
+    extra_len: int = 0
+    notes: tuple[str, ...] = ()  # what the plan lowered, and why (logged)
 
     @property
     def caches(self) -> int:
         return self.target_kv + self.draft_kv + self.state
 
+    @property
+    def pool_tokens(self) -> int:
+        """Positions of KV the pool holds (its usable blocks; 0 without a pool)."""
+        return (self.num_blocks - 1) * self.kv_block if self.num_blocks else 0
+
+    def requests_of(self, tokens: int) -> int:
+        """Requests of `tokens` positions each that run at once: what the pool holds, at most the running cap."""
+        if not self.num_blocks:
+            return self.slots
+        need = -(-(tokens + self.extra_len) // self.kv_block)
+        return min(self.slots, (self.num_blocks - 1) // need)
+
     def summary(self) -> str:
-        """One log line: weights, target KV, draft KV, recurrent state, against the budget."""
+        """One log line: weights, the pool (blocks, tokens, target and draft KV), recurrent state, the budget."""
+        if self.num_blocks is None:
+            return (f"memory: weights {format_bytes(self.weights)}; no KV pool (the hf backend's caches grow with "
+                    f"each request); max_model_len {self.max_model_len:,}")
         parts = [f"weights {format_bytes(self.weights)}",
-                 f"target KV {format_bytes(self.target_kv)} ({self.slots} slots x {self.max_model_len:,} tokens)",
-                 f"draft KV {format_bytes(self.draft_kv)}"]
+                 f"KV pool {self.num_blocks - 1:,} blocks x {self.kv_block} = {self.pool_tokens:,} tokens "
+                 f"(target KV {format_bytes(self.target_kv)}, draft KV {format_bytes(self.draft_kv)})"]
         if self.state:
-            parts.append(f"recurrent state {format_bytes(self.state)}")
+            parts.append(f"recurrent state {format_bytes(self.state)} ({self.slots} running requests)")
         budget = (f"of a {format_bytes(self.cache_budget)} cache budget ({self.source})"
                   if self.cache_budget is not None else f"({self.source})")
-        return f"memory: {', '.join(parts)}; caches {format_bytes(self.caches)} {budget}"
+        full = self.requests_of(self.max_model_len)
+        fits = f"max_model_len {self.max_model_len:,}: {full:,} request(s) of full length"
+        if self.max_model_len > SHORT_REQUEST:
+            fits += f", {self.requests_of(SHORT_REQUEST):,} of {SHORT_REQUEST:,} tokens"
+        fits += f" at once (running cap {self.slots})"
+        return f"memory: {', '.join(parts)}; caches {format_bytes(self.caches)} {budget}; {fits}"
+
+
+def _raise_hint(source: str) -> str:
+    """The setting to raise: the flag the budget came from, else --kv-cache-memory."""
+    flag = source.split()[0] if source.startswith("--") else ""
+    return f"raise {flag}" if flag else "set --kv-cache-memory"
 
 
 def plan_memory(
-    costs: SlotCosts, weights: int, slots: int, max_model_len: int | None, model_max_len: int,
+    costs: PoolCosts, weights: int, slots: int, max_model_len: int | None, model_max_len: int,
     cache_budget: int | None, source: str,
 ) -> MemoryBudget:
-    """Slots x length within `cache_budget` bytes: a given max_model_len is checked (ValueError saying what would
-    fit), an unset one is the longest that fits `slots` slots (at most the model's). No budget: as configured."""
+    """The KV pool within `cache_budget` bytes. A hybrid's recurrent states come first, one per running request,
+    and take at most half of the budget (the running cap is lowered to fit: memory decides how many run); the rest
+    buys `num_blocks = rest // block_bytes`. One request of max_model_len must fit (vLLM's rule): an unset
+    max_model_len is the model's, lowered to the longest that fits; a set one that does not fit is a ValueError
+    saying what would. No budget: every running request at full length (the runners' default pool)."""
     length = max_model_len or model_max_len
-    if cache_budget is not None:
-        fit_len = min(model_max_len, costs.max_len_within(cache_budget // slots))
-        if max_model_len is None and fit_len >= 2:
-            length = fit_len
-        elif costs.per_slot(length) * slots > cache_budget:
-            slots_fit = cache_budget // costs.per_slot(length)
-            plural = "s" if slots > 1 else ""
-            options = [f"max_model_len <= {fit_len:,} at {slots} slot{plural}"] if fit_len >= 2 else []
-            if slots_fit >= 1:
-                options.append(f"max_running_requests <= {slots_fit} at max_model_len {length:,}")
-            one = min(model_max_len, costs.max_len_within(cache_budget))
-            if slots > 1 and one >= 2 and not slots_fit:
-                options.append(f"max_model_len <= {one:,} at 1 slot")
-            fits = f"which fits {' or '.join(options)}" if options else "which fits no slot: raise it"
+    if cache_budget is None:
+        num_blocks = slots * costs.request_blocks(length) + 1
+        return _budget(costs, weights, slots, length, num_blocks, None, source, ())
+    notes: list[str] = []
+    if costs.state:
+        fit = (cache_budget // 2) // costs.state
+        if fit < 1:
             raise ValueError(
-                f"max_model_len {length:,} needs {format_bytes(costs.per_slot(length))} per slot, "
-                f"{format_bytes(costs.per_slot(length) * slots)} for {slots} slots; {source} leaves "
-                f"{format_bytes(cache_budget)} for caches, {fits}")
-    return MemoryBudget(weights, slots, length, costs.target_kv(length) * slots, costs.draft_kv(length) * slots,
-                        costs.state * slots, cache_budget, source)
+                f"one request's recurrent state takes {format_bytes(costs.state)}, more than half of the "
+                f"{format_bytes(cache_budget)} that {source} leaves for caches; {_raise_hint(source)}")
+        if fit < slots:
+            notes.append(f"running requests capped at {fit} (max_num_seqs {slots}): their recurrent states "
+                         f"({format_bytes(costs.state)} each) take at most half of the cache budget")
+            slots = fit
+    num_blocks = (cache_budget - slots * costs.state) // costs.block_bytes
+    if num_blocks < costs.min_blocks(length):
+        fit_len = min(model_max_len, costs.max_len_within(num_blocks))
+        if max_model_len is None and fit_len >= 2:
+            notes.append(f"max_model_len {fit_len:,} (the model's {model_max_len:,} does not fit one request in "
+                         f"the KV pool)")
+            length = fit_len
+        else:
+            need = costs.min_blocks(length) - 1
+            fits = (f"which fits max_model_len <= {fit_len:,}: lower --max-model-len or {_raise_hint(source)}"
+                    if fit_len >= 2 else f"which fits no request: {_raise_hint(source)}")
+            raise ValueError(
+                f"max_model_len {length:,} needs {need:,} KV blocks of {costs.kv_block} tokens "
+                f"({format_bytes(need * costs.block_bytes)}) for one request; {source} leaves "
+                f"{format_bytes(cache_budget)} for caches: {max(num_blocks - 1, 0):,} blocks, {fits}")
+    return _budget(costs, weights, slots, length, num_blocks, cache_budget, source, tuple(notes))
+
+
+def _budget(
+    costs: PoolCosts, weights: int, slots: int, length: int, num_blocks: int, cache_budget: int | None,
+    source: str, notes: tuple[str, ...],
+) -> MemoryBudget:
+    rows = num_blocks * costs.kv_block
+    return MemoryBudget(weights, slots, length, costs.kv_block, num_blocks, costs.target_row * rows,
+                        costs.draft_row * rows, costs.state * slots, cache_budget, source, costs.extra_len, notes)
+
+
+def no_pool(weights: int, slots: int, max_model_len: int, kv_block: int) -> MemoryBudget:
+    """The plan of a runner without a pool (hf): weights only; its caches grow with each request."""
+    return MemoryBudget(weights, slots, max_model_len, kv_block, None, 0, 0, 0, None, "no KV pool")
 
 
 def cuda_cache_budget(utilization: float, total: int, weights: int, logits_bytes: int) -> int:
     """Bytes left for caches under `--gpu-memory-utilization`: utilization x the card's memory, less the
     weights, ACTIVATION_RESERVE and the logits of a full verify batch (may be <= 0: nothing fits)."""
     return int(utilization * total) - weights - ACTIVATION_RESERVE - logits_bytes
+
+
+def verify_logits_bytes(slots: int, block: int, vocab: int, max_num_batched_tokens: int | None) -> int:
+    """float32 logits of the widest step: every running request verifying a block (at least 16 wide: the widest
+    width bucket), at most the step's token budget."""
+    tokens = slots * max(block, 16)
+    if max_num_batched_tokens is not None:
+        tokens = min(tokens, max_num_batched_tokens)
+    return tokens * vocab * 4
+
+
+def available_memory() -> int | None:
+    """Bytes of RAM available now (Linux MemAvailable; else free pages), None when unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def ram_cache_budget(available: int | None, pending: int = 0) -> int:
+    """The default budget off CUDA: a quarter of the RAM available (less `pending` bytes still to load), at most
+    RAM_KV_DEFAULT_CAP (see there)."""
+    if available is None:
+        return RAM_KV_DEFAULT_CAP
+    return min(RAM_KV_DEFAULT_CAP, max(0, int(RAM_KV_FRACTION * (available - pending))))

@@ -12,34 +12,59 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
-from dflash_core.grammar import GrammarState
-from dflash_core.sampling import SamplingParams
+from dflash_core.grammar import GrammarState, pack_masks, unpack_masks
+from dflash_core.sampling import SamplingParams, float_bits, staging_for
+
+Arrays = list[Any]  # host integer arrays (nested lists of ints, or host integer tensors) for `HostToDevice.send`
 
 
 class LogitsProcessor(ABC):
-    """Processes a request's rows of logits in place of plain decoding's one row at a time."""
+    """Processes a request's rows of logits in place of plain decoding's one row at a time.
+
+    In two halves, so that a step sends the inputs of every request in one copy: `inputs` (host: what the block
+    needs on the device, read from the output and the draft), then `apply_inputs` (device: those arrays, sent).
+    `apply` does both, with a copy of its own.
+    """
+
+    def inputs(self, logits: torch.Tensor, output: Sequence[int], draft: Sequence[int]) -> Arrays:
+        """The host arrays `apply_inputs` needs for this block (reads only logits' shape and device)."""
+        return []
 
     @abstractmethod
+    def apply_inputs(self, logits: torch.Tensor, output: Sequence[int], draft: Sequence[int],
+                     sent: Sequence[torch.Tensor]) -> torch.Tensor:
+        """logits [n, V] (n <= len(draft) + 1) fp32, row i following prompt + output + draft[:i], and `inputs`'
+        arrays on the device -> processed logits (may be the same tensor, changed in place)."""
+
     def apply(self, logits: torch.Tensor, output: Sequence[int], draft: Sequence[int]) -> torch.Tensor:
-        """logits [n, V] (n <= len(draft) + 1) fp32, row i following prompt + output + draft[:i] -> processed logits
-        (may be the same tensor, changed in place)."""
+        arrays = self.inputs(logits, output, draft)
+        sent = staging_for(logits.device).send(*arrays) if arrays else ()
+        return self.apply_inputs(logits, output, draft, sent)
 
 
 class GrammarMask(LogitsProcessor):
-    """Tokens the grammar does not allow at a row get -inf."""
+    """Tokens the grammar does not allow at a row get -inf: the block's masks travel as one packed bitmask
+    (`grammar.pack_masks`, int32 words, an unconstrained row all ones) and are unpacked on the device."""
 
     def __init__(self, grammar: GrammarState) -> None:
         self.grammar = grammar
 
-    def apply(self, logits: torch.Tensor, output: Sequence[int], draft: Sequence[int]) -> torch.Tensor:
-        masks = self.grammar.masks(list(draft[: logits.shape[0] - 1]))[: logits.shape[0]]
-        rows = [i for i, allowed in enumerate(masks) if allowed is not None]
-        if rows:  # one copy to the device for the whole block
-            allowed = torch.stack([masks[i] for i in rows]).to(logits.device, non_blocking=True)
-            logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    def inputs(self, logits: torch.Tensor, output: Sequence[int], draft: Sequence[int]) -> Arrays:
+        n, vocab = logits.shape
+        masks = self.grammar.masks(list(draft[: n - 1]))[:n]
+        if all(m is None for m in masks):
+            return []
+        masks = masks + [None] * (n - len(masks))
+        return [pack_masks(masks, vocab).view(torch.int64)]
+
+    def apply_inputs(self, logits: torch.Tensor, output: Sequence[int], draft: Sequence[int],
+                     sent: Sequence[torch.Tensor]) -> torch.Tensor:
+        if sent:  # one unpack (shift / and) and one fill for every row of the block
+            logits.masked_fill_(~unpack_masks(sent[0], logits.shape[-1]), float("-inf"))
         return logits
 
 
@@ -50,10 +75,17 @@ class MinTokens(LogitsProcessor):
         self.min_tokens = min_tokens
         self.stop_ids = sorted(stop_ids)
 
-    def apply(self, logits: torch.Tensor, output: Sequence[int], draft: Sequence[int]) -> torch.Tensor:
-        banned_rows = max(0, min(self.min_tokens - len(output), logits.shape[0]))  # row i has len(output) + i
-        if banned_rows and self.stop_ids:
-            logits[:banned_rows, self.stop_ids] = float("-inf")
+    def _banned_rows(self, logits: torch.Tensor, output: Sequence[int]) -> int:
+        return max(0, min(self.min_tokens - len(output), logits.shape[0]))  # row i has len(output) + i tokens
+
+    def inputs(self, logits: torch.Tensor, output: Sequence[int], draft: Sequence[int]) -> Arrays:
+        ids = [t for t in self.stop_ids if t < logits.shape[-1]]
+        return [ids] if self._banned_rows(logits, output) and ids else []
+
+    def apply_inputs(self, logits: torch.Tensor, output: Sequence[int], draft: Sequence[int],
+                     sent: Sequence[torch.Tensor]) -> torch.Tensor:
+        if sent:
+            logits[: self._banned_rows(logits, output)].index_fill_(1, sent[0], float("-inf"))
         return logits
 
 
@@ -62,11 +94,18 @@ class LogitBias(LogitsProcessor):
 
     def __init__(self, bias: dict[int, float]) -> None:
         self.ids = list(bias)
-        self.values = torch.tensor([float(v) for v in bias.values()])
+        self.values = [float(v) for v in bias.values()]
 
-    def apply(self, logits: torch.Tensor, output: Sequence[int], draft: Sequence[int]) -> torch.Tensor:
-        logits[:, self.ids] += self.values.to(logits.device)
-        return logits
+    def inputs(self, logits: torch.Tensor, output: Sequence[int], draft: Sequence[int]) -> Arrays:
+        if any(t >= logits.shape[-1] for t in self.ids):
+            raise IndexError(f"logit_bias token id {max(self.ids)} is out of the vocabulary ({logits.shape[-1]})")
+        return [self.ids, [float_bits(v) for v in self.values]]
+
+    def apply_inputs(self, logits: torch.Tensor, output: Sequence[int], draft: Sequence[int],
+                     sent: Sequence[torch.Tensor]) -> torch.Tensor:
+        ids, bits = sent
+        values = bits.view(torch.float64).float()  # the float32 biases, as torch.tensor(values) rounds them
+        return logits.index_add_(1, ids, values.expand(logits.shape[0], -1))  # ids are distinct: one add each
 
 
 class Penalties(LogitsProcessor):
@@ -78,39 +117,51 @@ class Penalties(LogitsProcessor):
                  vocab_size: int) -> None:
         self.presence, self.frequency, self.repetition = presence, frequency, repetition
         self.vocab_size = vocab_size
-        self.prompt = list(prompt)
+        self.prompt = [t for t in prompt if 0 <= t < vocab_size]
         self._prompt_seen: torch.Tensor | None = None  # bool [V], on the logits' device once seen
         self._counts: torch.Tensor | None = None
         self._counted = 0  # the output grows only: its counts are updated with the new tokens
 
-    def output_counts(self, output: Sequence[int], device: torch.device) -> torch.Tensor:
-        """How often each token occurs in `output` (float [V] on `device`)."""
-        if self._counts is None or self._counts.device != device or len(output) < self._counted:
+    def _fresh_counts(self, output: Sequence[int], device: torch.device) -> bool:
+        return self._counts is None or self._counts.device != device or len(output) < self._counted
+
+    def _needs_prompt(self, device: torch.device) -> bool:
+        return self.repetition != 1.0 and (self._prompt_seen is None or self._prompt_seen.device != device)
+
+    def inputs(self, logits: torch.Tensor, output: Sequence[int], draft: Sequence[int]) -> Arrays:
+        """[the output tokens not counted yet, the draft tokens of rows 1.., the prompt when not seen yet]."""
+        n, device = logits.shape[0], logits.device
+        counted = 0 if self._fresh_counts(output, device) else self._counted
+        arrays: Arrays = [list(output[counted:]), list(draft[: n - 1]) if n > 1 else []]
+        if self._needs_prompt(device):
+            arrays.append(self.prompt)
+        return arrays
+
+    def output_counts(self, output: Sequence[int], device: torch.device, new: torch.Tensor) -> torch.Tensor:
+        """How often each token occurs in `output` (float [V] on `device`), `new` its tokens not counted yet."""
+        if self._fresh_counts(output, device):
             self._counts = torch.zeros(self.vocab_size, device=device)  # first use, or a different output
-            self._counted = 0
-        new = list(output[self._counted:])
-        if new:
-            ids = torch.tensor(new, device=device)
-            self._counts += torch.bincount(ids, minlength=self.vocab_size)[: self.vocab_size]
-            self._counted = len(output)
+        assert self._counts is not None
+        if new.numel():  # index_add, not bincount: bincount on CUDA reads its maximum back to the host
+            self._counts.index_add_(0, new, torch.ones(new.shape, device=device))
+        self._counted = len(output)
         return self._counts
 
-    def prompt_seen(self, device: torch.device) -> torch.Tensor:
-        if self._prompt_seen is None or self._prompt_seen.device != device:
-            ids = torch.tensor(self.prompt, device=device)
-            self._prompt_seen = torch.bincount(ids, minlength=self.vocab_size)[: self.vocab_size] > 0
-        return self._prompt_seen
-
-    def apply(self, logits: torch.Tensor, output: Sequence[int], draft: Sequence[int]) -> torch.Tensor:
+    def apply_inputs(self, logits: torch.Tensor, output: Sequence[int], draft: Sequence[int],
+                     sent: Sequence[torch.Tensor]) -> torch.Tensor:
         n, device = logits.shape[0], logits.device
-        counts = self.output_counts(output, device).expand(n, -1)
+        if self._needs_prompt(device):
+            self._prompt_seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=device).index_fill_(
+                0, sent[2], True)
+        counts = self.output_counts(output, device, sent[0]).expand(n, -1)
         if n > 1:  # row i also counts draft[:i]: a one-hot per draft token, summed down the rows
             steps = torch.zeros(n, self.vocab_size, device=device)
-            steps[torch.arange(1, n, device=device), torch.tensor(list(draft[: n - 1]), device=device)] = 1.0
+            steps[torch.arange(1, n, device=device), sent[1]] = 1.0
             counts = counts + steps.cumsum(dim=0)
         seen = counts > 0
         if self.repetition != 1.0:
-            hit = seen | self.prompt_seen(device)
+            assert self._prompt_seen is not None
+            hit = seen | self._prompt_seen
             scaled = torch.where(logits > 0, logits / self.repetition, logits * self.repetition)
             logits = torch.where(hit, scaled, logits)
         if self.frequency != 0.0:
@@ -125,11 +176,24 @@ class Pipeline(LogitsProcessor):
 
     def __init__(self, processors: list[LogitsProcessor]) -> None:
         self.processors = processors
+        self._split: list[int] = []  # how many of the arrays `inputs` gave are each processor's
 
-    def apply(self, logits: torch.Tensor, output: Sequence[int], draft: Sequence[int]) -> torch.Tensor:
-        logits = logits.float().clone()
+    def inputs(self, logits: torch.Tensor, output: Sequence[int], draft: Sequence[int]) -> Arrays:
+        arrays: Arrays = []
+        self._split = []
         for processor in self.processors:
-            logits = processor.apply(logits, output, draft)
+            mine = processor.inputs(logits, output, draft)
+            self._split.append(len(mine))
+            arrays.extend(mine)
+        return arrays
+
+    def apply_inputs(self, logits: torch.Tensor, output: Sequence[int], draft: Sequence[int],
+                     sent: Sequence[torch.Tensor]) -> torch.Tensor:
+        logits = logits.float().clone()
+        at = 0
+        for processor, k in zip(self.processors, self._split):
+            logits = processor.apply_inputs(logits, output, draft, sent[at : at + k])
+            at += k
         return logits
 
 

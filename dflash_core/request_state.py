@@ -6,7 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash_core.chat import as_token_ids
 from dflash_core.grammar import GrammarState
+from dflash_core.kv.manager import RequestKV
 from dflash_core.processors import LogitsProcessor
 from dflash_core.sampling import SamplingParams
 from dflash_core.speculation import SpecState
@@ -23,14 +25,52 @@ class EngineRequest:
     seed: int
     stop_ids: frozenset[int]
     stats: RequestStats
-    slot: int | None = None  # from the engine's SlotPool, held from prefill to the end
+    kv: RequestKV | None = None  # its slot and KV blocks, held from admission to the end (or a preemption)
     cache: Any = None
     draft_state: Any = None
     output: list[int] = field(default_factory=list)
     position: int = 0  # position of output[-1], the one generated token not yet in the target cache
     aborted: bool = False
-    prefilled: int = 0  # prompt tokens in the target cache (chunked prefill)
+    prefilled: int = 0  # tokens of `prefill_tokens` in the target cache (chunked prefill)
+    # what a prefill computes: the prompt; after a preemption, the prompt and the output but its last token
+    prefill_tokens: list[int] = field(default_factory=list)
     spec: SpecState | None = None  # the width policy's history of this request
     drafted: bool = False  # it drafted in the current step
     processor: LogitsProcessor | None = None  # penalties, logit_bias, min_tokens, grammar mask (None: none)
     grammar: GrammarState | None = None  # structured output: the grammar over the committed tokens
+
+    def __post_init__(self) -> None:
+        if not self.prefill_tokens:
+            self.prefill_tokens = self.prompt
+
+    @property
+    def resumed(self) -> bool:
+        """It was preempted after generating: its prefill recomputes the cache and chooses no token."""
+        return bool(self.output)
+
+    def committed(self) -> int:
+        """Positions whose target KV is committed: the prefilled ones, then (decoding) those before output[-1]."""
+        return self.prefilled if self.prefilled < len(self.prefill_tokens) else self.position
+
+
+def checked_prompt(prompt_token_ids: list[int], params: SamplingParams, vocab: int, max_model_len: int) -> list[int]:
+    """The prompt as token ids, after checking it and the parameters against the model; ValueError otherwise."""
+    params.validate()
+    try:
+        prompt = as_token_ids(prompt_token_ids)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ValueError(f"prompt must be a list of token ids ({exc})") from None
+    if not prompt:
+        raise ValueError("prompt must contain at least one token")
+    if min(prompt) < 0 or max(prompt) >= vocab:
+        raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    if any(t >= vocab for t in params.stop_token_ids):
+        raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+    if len(prompt) + params.max_tokens > max_model_len:
+        raise ValueError(
+            f"prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
+            f"context length ({max_model_len})"
+        )
+    if any(t >= vocab for t in params.logit_bias):
+        raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+    return prompt

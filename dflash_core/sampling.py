@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import math
 import random
+import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from dflash_core.grammar import StructuredOutput
+from dflash_core.transfer import HostToDevice, to_host
 
 MAX_LOGPROBS = 20
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's rule): logits / t would overflow to inf / NaN
@@ -190,20 +194,172 @@ def choose_tokens(logits: torch.Tensor, params: SamplingParams, seed: int, first
     return choose_token_tensor(logits, params, seed, first_position).tolist()
 
 
-def rows_to_host(rows: Sequence[torch.Tensor | BaseException | None]) -> list[list[int] | BaseException]:
-    """Every row's token ids on the host, in ONE transfer for all rows (an exception stays in its place, None is
-    an empty row)."""
-    tensors = [r for r in rows if isinstance(r, torch.Tensor)]
-    flat = torch.cat(tensors).tolist() if tensors else []
-    result: list[list[int] | BaseException] = []
+def float_bits(value: float) -> int:
+    """The bits of a float64 as an int64 (to travel with integer arrays; `.view(torch.float64)` reads it back)."""
+    return struct.unpack("<q", struct.pack("<d", float(value)))[0]
+
+
+def row_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`position_uniform(seed, position)` row by row (int64 [R] each, seeds as the int64 with the seed's bits), on
+    their device: `position_uniforms`' arithmetic with a seed and a position per row."""
+    z = (positions + 1) * _signed(0x9E3779B97F4A7C15) + seeds
+    z = (z ^ _shr(z, 30)) * _signed(0xBF58476D1CE4E5B9)
+    z = (z ^ _shr(z, 27)) * _signed(0x94D049BB133111EB)
+    z = z ^ _shr(z, 31)
+    return _shr(z, 11).to(torch.float64) / float(1 << 53)
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor,
+                top_p: torch.Tensor, uniforms: torch.Tensor, *, use_min_p: bool = True, use_top_k: bool = True,
+                use_top_p: bool = True) -> torch.Tensor:
+    """`choose_token_tensor` for sampled rows of many requests at once: logits [S, V] fp32 and a parameter per row
+    ([S] each; temperature / min_p / top_p float32, top_k int64, uniforms float64) -> tokens [S]. Every operation is
+    row-wise and the same as `processed_probs`', so each row equals its request's own choice; a filter whose
+    `use_*` is False is off in every row (the host knows) and skipped."""
+    vocab = logits.shape[-1]
+    onehot = torch.zeros_like(logits).scatter(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    scores = logits / temperature[:, None]
+    if use_min_p:  # a row with min_p 0 drops nothing (probs < 0 never holds)
+        probs = torch.softmax(scores, dim=-1)
+        scores = scores.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * min_p[:, None], float("-inf"))
+    if use_top_k:  # the k-th largest value of each row with 0 < k < V, else -inf (keeps all)
+        active = (top_k > 0) & (top_k < vocab)
+        ordered = scores.sort(dim=-1, descending=True).values
+        kth = ordered.gather(-1, (top_k.clamp(1, vocab) - 1)[:, None])
+        kth = torch.where(active[:, None], kth, torch.full_like(kth, float("-inf")))
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if use_top_p:  # rows with top_p 1 keep their probabilities bit for bit
+        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+        keep = (sorted_probs.cumsum(-1) - sorted_probs) < top_p[:, None]
+        keep[..., 0] = True
+        nucleus = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
+        nucleus = nucleus / nucleus.sum(-1, keepdim=True)
+        probs = torch.where((top_p < 1.0)[:, None], nucleus, probs)
+    bad = ~torch.isfinite(probs).all(dim=-1, keepdim=True)
+    probs = torch.where(bad, onehot, probs)
+    cdf = probs.cumsum(dim=-1)
+    u = uniforms.to(cdf.dtype) * cdf[:, -1]
+    idx = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]
+    return torch.minimum(idx, vocab_last_nonzero(probs))
+
+
+@dataclass
+class Block:
+    """One request's rows of a step: raw logits [n, V], row i choosing the token at `first_position + i`, and its
+    processor (`dflash_core.processors`) with the history it processes against."""
+
+    logits: torch.Tensor
+    params: SamplingParams
+    seed: int
+    first_position: int
+    processor: Any = None
+    output: Sequence[int] = ()
+    draft: Sequence[int] = ()
+
+
+_local = threading.local()
+
+
+def staging_for(device: torch.device) -> HostToDevice:
+    """This thread's staging buffers for `device` (a step's inputs travel through them)."""
+    buffers = getattr(_local, "buffers", None)
+    if buffers is None:
+        buffers = _local.buffers = {}
+    if device not in buffers:
+        buffers[device] = HostToDevice(device)
+    return buffers[device]
+
+
+def choose_step(blocks: Sequence[Block | None], staging: HostToDevice | None = None
+                ) -> list[list[int] | BaseException]:
+    """Every block's choices (None: an empty row list), computed for the whole step at once.
+
+    The processors' inputs and the sampled rows' parameters travel to the device in ONE copy (`staging`), the
+    processed rows are stacked (sampled requests first, then greedy ones), greedy rows take their argmax and
+    sampled rows `sample_rows`, and every choice comes back in ONE transfer (`to_host`). A block whose processing
+    raises gets its exception; the others are unaffected.
+    """
+    results: list[list[int] | BaseException] = [[] for _ in blocks]
+    live: list[tuple[int, Block, list[Any]]] = []
+    for i, block in enumerate(blocks):
+        if block is None:
+            continue
+        try:
+            arrays = block.processor.inputs(block.logits, block.output, block.draft) if block.processor else []
+            live.append((i, block, arrays))
+        except Exception as exc:
+            results[i] = exc
+    if not live:
+        return results
+    live.sort(key=lambda item: item[1].params.greedy)  # sampled blocks first: their rows are one slice
+    sampled = [(i, b) for i, b, _ in live if not b.params.greedy]
+    params: list[list[int]] = [[] for _ in range(5)]  # temperature, min_p, top_p bits; top_k; seed
+    positions: list[int] = []
+    for _, b in sampled:
+        n, p = b.logits.shape[0], b.params
+        for column, value in zip(params, (float_bits(p.temperature), float_bits(p.min_p), float_bits(p.top_p),
+                                          p.top_k, _signed(b.seed & _MASK64))):
+            column.extend([value] * n)
+        positions.extend(range(b.first_position, b.first_position + n))
+    arrays = [a for _, _, mine in live for a in mine]
+    if sampled:
+        arrays += [*params, positions]
+    device = live[0][1].logits.device
+    sent = (staging or staging_for(device)).send(*arrays) if arrays else ()
+    rows: list[tuple[int, torch.Tensor, int]] = []  # (block, processed rows, first row in the sampled arrays)
+    at, row = 0, 0
+    for i, block, mine in live:
+        k = len(mine)
+        try:
+            logits = block.logits
+            if block.processor is not None:
+                logits = block.processor.apply_inputs(logits, block.output, block.draft, sent[at : at + k])
+            rows.append((i, logits.float(), row))
+        except Exception as exc:
+            results[i] = exc
+        at += k
+        row += block.logits.shape[0] if not block.params.greedy else 0
+    try:
+        choices = _choose_rows(blocks, rows, sent[at:] if sampled else ())
+        flat = to_host(choices)
+    except Exception as exc:  # the step's computation itself failed: every request still live gets it
+        for i, _, _ in rows:
+            results[i] = exc
+        return results
     at = 0
-    for r in rows:
-        if isinstance(r, torch.Tensor):
-            result.append(flat[at : at + r.numel()])
-            at += r.numel()
-        else:
-            result.append(r if isinstance(r, BaseException) else [])
-    return result
+    for i, logits, _ in rows:
+        results[i] = flat[at : at + logits.shape[0]]
+        at += logits.shape[0]
+    return results
+
+
+def _choose_rows(blocks: Sequence[Block | None], rows: list[tuple[int, torch.Tensor, int]],
+                 sent: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The choices of `rows` (sampled blocks first) as one tensor, in their order."""
+    sampled = [(i, x, r) for i, x, r in rows if not blocks[i].params.greedy]  # type: ignore[union-attr]
+    greedy = [x for i, x, _ in rows if blocks[i].params.greedy]  # type: ignore[union-attr]
+    parts: list[torch.Tensor] = []
+    if sampled:
+        temperature, min_p, top_p, top_k, seeds, positions = sent
+        total = temperature.shape[0]
+        if sum(x.shape[0] for _, x, _ in sampled) != total:  # a sampled block failed: its parameter rows go
+            keep = [slice(r, r + x.shape[0]) for _, x, r in sampled]
+            temperature, min_p, top_p, top_k, seeds, positions = (
+                torch.cat([t[s] for s in keep]) for t in (temperature, min_p, top_p, top_k, seeds, positions))
+        ps = [blocks[i].params for i, _, _ in sampled]  # type: ignore[union-attr]
+        parts.append(sample_rows(
+            torch.cat([x for _, x, _ in sampled]), _as_float(temperature), _as_float(min_p), top_k,
+            _as_float(top_p), row_uniforms(seeds, positions), use_min_p=any(p.min_p > 0.0 for p in ps),
+            use_top_k=any(p.top_k > 0 for p in ps), use_top_p=any(p.top_p < 1.0 for p in ps)))
+    if greedy:
+        parts.append(torch.cat(greedy).argmax(dim=-1))
+    return torch.cat(parts)
+
+
+def _as_float(bits: torch.Tensor) -> torch.Tensor:
+    """float64 bits sent as int64 -> the float32 values (rounded as a Python float becomes a float32 scalar)."""
+    return bits.view(torch.float64).float()
 
 
 def vocab_last_nonzero(probs: torch.Tensor) -> torch.Tensor:

@@ -3,24 +3,24 @@
 A step has a token budget (`max_num_batched_tokens`, as in vLLM): prefill chunks first, at most `prefill_chunk`
 prompt tokens per step over all prefilling requests, so that a long prompt never stalls running streams by more
 than one chunk; the verify rows of the running requests get the rest (one token each at least). Several new
-requests are prefilled in one forward; a request takes a slot when its prefill starts and waits, in order, while
-no slot is free.
+requests are prefilled in one forward. A request is admitted (the engine's `admit`: a slot and KV blocks, its cached
+prefix already counted as prefilled) when its first chunk is planned; while admission fails, later requests wait in
+order behind it. A preempted request goes back to the front of the waiting queue.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
-
-from dflash_core.slots import SlotPool
 
 
 class Schedulable(Protocol):
     """What the scheduler reads of a request (the engine's request record)."""
 
-    prompt: list[int]
-    prefilled: int  # prompt tokens already in the target cache
+    prefill_tokens: list[int]  # what its prefill computes (the prompt; after a preemption, more)
+    prefilled: int  # tokens of prefill_tokens already in the target cache
     aborted: bool
 
 
@@ -34,8 +34,8 @@ class Chunk:
 
     @property
     def last(self) -> bool:
-        """The chunk ends the prompt: its forward gives the first generated token."""
-        return self.start + len(self.tokens) == len(self.req.prompt)
+        """The chunk ends the prefill: its forward gives the first generated token (none when resuming)."""
+        return self.start + len(self.tokens) == len(self.req.prefill_tokens)
 
 
 @dataclass
@@ -43,22 +43,26 @@ class StepPlan:
     """What one step does."""
 
     aborted: list[Schedulable] = field(default_factory=list)
-    starting: list[Schedulable] = field(default_factory=list)  # take a slot now (their first chunk is below)
+    starting: list[Schedulable] = field(default_factory=list)  # admitted now (their first chunk is below)
     prefill: list[Chunk] = field(default_factory=list)
     decode: list[Schedulable] = field(default_factory=list)
     verify_budget: int | None = None  # verify tokens the running requests may use (None: no bound)
 
 
 class Scheduler:
-    """Waiting (no slot yet), prefilling (a slot, part of the prompt cached) and running (decoding) requests."""
+    """Waiting (not admitted yet), prefilling (admitted, part of the prompt cached) and running (decoding) requests.
 
-    def __init__(self, slots: SlotPool, max_num_batched_tokens: int | None = None,
+    `admit(req)` is the engine's admission: True when it gave the request a slot and KV blocks (and set its
+    `prefilled` to the cached prefix); False leaves it, and every request after it, waiting.
+    """
+
+    def __init__(self, admit: Callable[[Schedulable], bool], max_num_batched_tokens: int | None = None,
                  prefill_chunk: int | None = None) -> None:
         if max_num_batched_tokens is not None and max_num_batched_tokens < 2:
             raise ValueError("max_num_batched_tokens must be >= 2")
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError("prefill chunk size must be >= 1")
-        self.slots = slots
+        self.admit = admit
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_chunk = prefill_chunk
         self.waiting: deque[Schedulable] = deque()
@@ -77,6 +81,11 @@ class Scheduler:
         """Its whole prompt is cached: it decodes from the next step on."""
         self.prefilling.remove(req)
         self.running.append(req)
+
+    def preempted(self, req: Schedulable) -> None:
+        """It gave its KV memory back: it waits again, first in line."""
+        self.remove(req)
+        self.waiting.appendleft(req)
 
     def remove(self, req: Schedulable) -> None:
         for queue in (self.running, self.prefilling, self.waiting):
@@ -106,29 +115,31 @@ class Scheduler:
             room = prefill_room if room is None else min(room, prefill_room)
         if budget is not None:
             room = min(room if room is not None else budget, max(budget - len(decode), 1))
-        free = self.slots.num_free()
-        candidates = [r for r in self.prefilling if not r.aborted]
-        for r in self.waiting:
+        used = 0
+        for r in self.prefilling:
             if r.aborted:
                 continue
-            if free is not None and free <= 0:
-                break
-            candidates.append(r)
-            plan.starting.append(r)
-            if free is not None:
-                free -= 1
-        used = 0
-        for r in candidates:
             if room is not None and used >= room:
-                if r in plan.starting:
-                    plan.starting.remove(r)
+                break
+            used += self._chunk(plan, r, room, used)
+        for r in list(self.waiting):
+            if r.aborted:
                 continue
-            n = len(r.prompt) - r.prefilled
-            if room is not None:
-                n = min(n, room - used)
-            plan.prefill.append(Chunk(r, r.prefilled, r.prompt[r.prefilled : r.prefilled + n]))
-            used += n
+            if (room is not None and used >= room) or not self.admit(r):
+                break  # in order: nothing overtakes a request that cannot start yet
+            self.started(r)
+            plan.starting.append(r)
+            used += self._chunk(plan, r, room, used)
         plan.decode = decode
         if budget is not None:
             plan.verify_budget = max(budget - used, len(decode))
         return plan
+
+    @staticmethod
+    def _chunk(plan: StepPlan, r: Schedulable, room: int | None, used: int) -> int:
+        """Plan r's next chunk within the room left; the tokens it takes."""
+        n = len(r.prefill_tokens) - r.prefilled
+        if room is not None:
+            n = min(n, room - used)
+        plan.prefill.append(Chunk(r, r.prefilled, r.prefill_tokens[r.prefilled : r.prefilled + n]))
+        return n

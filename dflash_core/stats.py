@@ -59,6 +59,8 @@ class RequestStats:
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed by each decode step
     prefill_time: float = 0.0
     decode_time: float = 0.0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (OpenAI's usage.prompt_tokens_details)
+    preemptions: int = 0  # times its KV memory was given back and recomputed
 
     def __post_init__(self) -> None:
         if not self.accepted_per_position:

@@ -78,15 +78,30 @@ def _device_problem(device: str) -> str | None:
     return None
 
 
+def _budget_problem(settings: Settings) -> str | None:
+    """--gpu-memory-utilization where no CUDA card will hold the KV pool (found before the models load)."""
+    if settings.gpu_memory_utilization is None:
+        return None
+    name = settings.device.strip().lower()
+    if name in ("", "auto"):
+        import torch
+
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        return None
+    return f"--gpu-memory-utilization sizes the KV pool of a CUDA card; on {name} use --kv-cache-memory"
+
+
 def preflight(settings: Settings) -> str | None:
-    """The first mistake that needs no model to find (a path that is not there, CUDA that is not), or None."""
+    """The first mistake that needs no model to find (a path that is not there, CUDA that is not, a CUDA-only
+    budget without CUDA), or None."""
     for name in ("target", "draft", "tokenizer"):
         value = getattr(settings, name)
         if value is None or (name == "draft" and not settings.speculative):
             continue
         if not Path(value).expanduser().exists() and not _is_hub_id(value):
             return f"--{name} {value}: no such folder (and not a hub id such as 'org/name')"
-    return _device_problem(settings.device)
+    return _device_problem(settings.device) or _budget_problem(settings)
 
 
 def _raise_open_files_limit(connections: int) -> None:

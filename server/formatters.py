@@ -38,6 +38,7 @@ class Choice:
     sent_first: bool = False
     text_offset: int = 0  # characters of the text so far (completion logprobs' text_offset)
     output: ChatOutput | None = None  # chat: the reader of reasoning and tool calls
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (on the last event)
 
 
 class ResponseFormatter(ABC):
@@ -52,8 +53,9 @@ class ResponseFormatter(ABC):
     chunk_object: ClassVar[str]  # each chunk's "object"
     announces_role: ClassVar[bool] = False  # the first chunk goes out even when empty (chat's role delta)
 
-    def __init__(self, tokens: TokenStrings, rid: str, model: str, logprobs_on: bool) -> None:
+    def __init__(self, tokens: TokenStrings, rid: str, model: str, logprobs_on: bool, n: int = 1) -> None:
         self.tokens = tokens
+        self.n = max(1, n)  # choices per prompt: choice index // n is its prompt
         self.rid = rid
         self.model = model
         self.created = now_ts()
@@ -92,6 +94,7 @@ class ResponseFormatter(ABC):
             c.finish_reason = ev.finish_reason
             c.completion_tokens = ev.completion_tokens
             c.spec = ev.spec or SpecSummary()
+            c.cached_tokens = ev.cached_tokens
 
     def accumulate(self, c: Choice, ev: WorkerEvent) -> None:
         """Add an event to a non-streamed choice."""
@@ -120,7 +123,15 @@ class ResponseFormatter(ABC):
     def _totals(self, choices: dict[int, Choice], prompt_tokens: int) -> dict[str, Any]:
         completion = sum(c.completion_tokens for c in choices.values())
         spec = sum((c.spec for c in choices.values()), SpecSummary())
-        return {"usage": usage_dict(prompt_tokens, completion), "dflash": spec.to_dict()}
+        # OpenAI's usage.prompt_tokens_details.cached_tokens: each prompt counts once in prompt_tokens, so once
+        # here too, with what every choice of it got from the prefix cache (the least of them)
+        per_prompt: dict[int, int] = {}
+        for index, c in choices.items():
+            group = index // self.n
+            per_prompt[group] = min(per_prompt.get(group, c.cached_tokens), c.cached_tokens)
+        usage = {**usage_dict(prompt_tokens, completion),
+                 "prompt_tokens_details": {"cached_tokens": sum(per_prompt.values())}}
+        return {"usage": usage, "dflash": spec.to_dict()}
 
     def usage_chunk(self, choices: dict[int, Choice], prompt_tokens: int) -> dict[str, Any]:
         """The final ``choices: []`` chunk with usage and the speculative summary."""
@@ -145,7 +156,7 @@ class ChatFormatter(ResponseFormatter):
     announces_role = True
 
     def __init__(self, tokens: TokenStrings, rid: str, req: ChatCompletionRequest, plan: OutputPlan) -> None:
-        super().__init__(tokens, rid, req.model, logprobs_on=req.logprobs)
+        super().__init__(tokens, rid, req.model, logprobs_on=req.logprobs, n=req.n)
         self.plan = plan
 
     def new_choice(self) -> Choice:
@@ -205,7 +216,7 @@ class CompletionFormatter(ResponseFormatter):
     chunk_object = "text_completion"
 
     def __init__(self, tokens: TokenStrings, rid: str, req: CompletionRequest) -> None:
-        super().__init__(tokens, rid, req.model, logprobs_on=req.logprobs is not None)
+        super().__init__(tokens, rid, req.model, logprobs_on=req.logprobs is not None, n=req.n)
 
     def _chunk_fields(self, c: Choice, ev: WorkerEvent, first: bool) -> tuple[dict[str, Any], bool]:
         return {"text": ev.text}, not ev.text

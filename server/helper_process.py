@@ -31,6 +31,7 @@ class HelperProcess:
         self.proc = proc
         self.label = label
         self._stderr = asyncio.create_task(self._log_stderr())
+        self._reaper: asyncio.Task[None] | None = None
 
     @classmethod
     async def spawn(cls, module: str, label: str) -> HelperProcess:
@@ -70,8 +71,21 @@ class HelperProcess:
         return await self.proc.stdout.readexactly(size)
 
     def kill(self) -> None:
+        """SIGKILL, and reaped in the background (``reap_killed`` awaits what is still pending): a killed helper
+        left unawaited closes its transport only when it is collected, after the loop may have closed."""
         with contextlib.suppress(ProcessLookupError):
             self.proc.kill()
+        if self._reaper is None:
+            self._reaper = asyncio.get_running_loop().create_task(self._reap())
+            _REAPING.add(self._reaper)
+            self._reaper.add_done_callback(_REAPING.discard)
+
+    async def _reap(self) -> None:
+        """Wait for the killed helper's exit and the end of its stderr (its pipes and transport then close)."""
+        with contextlib.suppress(Exception):
+            await self.proc.wait()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(self._stderr), 1.0)
 
     async def died(self) -> str:
         """How the helper ended (waits for it)."""
@@ -92,9 +106,20 @@ class HelperProcess:
             await self.proc.wait()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stderr, 1.0)
+        if self._reaper is not None:
+            await self._reaper
 
 
 H = TypeVar("H", bound=HelperProcess)
+_REAPING: set[asyncio.Task[None]] = set()  # killed helpers being reaped (held here until they are)
+
+
+async def reap_killed() -> None:
+    """Wait until every helper killed so far on this loop has exited and its pipes have closed."""
+    loop = asyncio.get_running_loop()
+    pending = [t for t in _REAPING if t.get_loop() is loop]
+    if pending:
+        await asyncio.gather(*pending, return_exceptions=True)
 
 
 class IdleHelpers(Generic[H]):
@@ -112,6 +137,7 @@ class IdleHelpers(Generic[H]):
                 return helper
             log.warning("%s %d exited (%s) while idle; starting another", helper.label, helper.proc.pid,
                         helper.proc.returncode)
+            helper.kill()  # already gone: reaped in the background like a killed one
         return None
 
     def release(self, helper: H, in_step: bool) -> None:
@@ -127,6 +153,7 @@ class IdleHelpers(Generic[H]):
         helpers, self._helpers = self._helpers, []
         for helper in helpers:
             await helper.close()
+        await reap_killed()
 
     def __len__(self) -> int:
         return len(self._helpers)

@@ -1,7 +1,9 @@
 """Prometheus collectors of the server (vLLM semantics, ``dflash_`` prefix, base units; README "Metrics").
 
 The worker thread is the only writer: it calls :meth:`ServerMetrics.observe_step` once per engine
-``StepOutput``, :meth:`ServerMetrics.observe_finished` once per finished request,
+``StepOutput``, :meth:`ServerMetrics.observe_kv` once per step with the engine's ``kv_stats()`` (the KV pool's
+usage, prefix-cache queries and hits in tokens, preemptions: cumulative in the engine, turned into counter
+increments here), :meth:`ServerMetrics.observe_finished` once per finished request,
 :meth:`ServerMetrics.set_queue_state` whenever the queue changes and :meth:`ServerMetrics.maybe_log_summary`
 once per iteration. ``GET /metrics`` calls :meth:`ServerMetrics.render` from the event loop. Every value is
 observed in exactly one place: spec-decode counters, the acceptance-length histogram and the generation-token
@@ -23,6 +25,7 @@ from dflash_core.speculation import width_set
 from dflash_core.stats import mean_acceptance_length
 
 if TYPE_CHECKING:
+    from dflash_core.kv.pool import KVStats
     from dflash_core.outputs import StepOutput
 
 # The 0.0.4 text format renders a ``*_created`` gauge next to every counter and histogram series; nothing
@@ -159,6 +162,28 @@ class ServerMetrics:
             registry=reg,
         )
 
+        # KV cache (vLLM's kv_cache_usage_perc, prefix_cache_queries / _hits in tokens, num_preemptions).
+        self.kv_cache_usage = Gauge(
+            "dflash_kv_cache_usage_perc",
+            "KV cache usage: the fraction of the KV pool's blocks held by requests (0..1; 0 without a pool).",
+            registry=reg,
+        )
+        self.prefix_cache_queries = Counter(
+            "dflash_prefix_cache_queries",
+            "Prefix cache queries, in tokens: prompt tokens looked up in the prefix cache at admission.",
+            registry=reg,
+        )
+        self.prefix_cache_hits = Counter(
+            "dflash_prefix_cache_hits",
+            "Prefix cache hits, in tokens: prompt tokens whose KV came from the prefix cache.",
+            registry=reg,
+        )
+        self.num_preemptions = Counter(
+            "dflash_num_preemptions",
+            "Preemptions: running requests that gave their KV blocks back when the pool ran out (recomputed later).",
+            registry=reg,
+        )
+
         # Gauges.
         self.running = Gauge("dflash_num_requests_running", "Requests in the engine.", registry=reg)
         self.waiting = Gauge("dflash_num_requests_waiting", "Requests queued for admission.", registry=reg)
@@ -196,6 +221,10 @@ class ServerMetrics:
         self._interval_tokens = 0
         self._interval_drafts = 0
         self._interval_accepted = 0
+        self._kv_seen = (0, 0, 0)  # the engine's cumulative prefix queries, hits and preemptions last observed
+        self._kv_usage: float | None = None  # None: no pool (the summary line leaves it out)
+        self._interval_queries = 0
+        self._interval_hits = 0
 
     # -- worker-side observations -------------------------------------------------------------------------
 
@@ -211,6 +240,24 @@ class ServerMetrics:
         """Publish the engine's speedup estimate (None: not measured yet, the gauge keeps its value)."""
         if value is not None:
             self.estimated_speedup.set(value)
+
+    def observe_kv(self, stats: KVStats | None) -> None:
+        """Publish the engine's KV cache snapshot (None: no pool, nothing changes). Its counts are cumulative;
+        the counters grow by the difference (an engine whose counts went back, a new one, starts over)."""
+        if stats is None:
+            return
+        self.kv_cache_usage.set(stats.usage)
+        seen = (stats.prefix_queries, stats.prefix_hits, stats.preemptions)
+        deltas = [cur - old if cur >= old else cur for cur, old in zip(seen, self._kv_seen, strict=True)]
+        for counter, delta in zip((self.prefix_cache_queries, self.prefix_cache_hits, self.num_preemptions), deltas,
+                                  strict=True):
+            if delta:
+                counter.inc(delta)
+        with self._lock:
+            self._kv_seen = seen
+            self._kv_usage = stats.usage
+            self._interval_queries += deltas[0]
+            self._interval_hits += deltas[1]
 
     def observe_step(self, out: StepOutput, now: float) -> None:
         """Count one engine ``StepOutput``: tokens, spec-decode counters, acceptance length, verify width."""
@@ -299,24 +346,32 @@ class ServerMetrics:
             busy = self._n_running > 0 or self._n_waiting > 0 or self._interval_tokens > 0
             tokens, drafts, accepted = self._interval_tokens, self._interval_drafts, self._interval_accepted
             running, waiting = self._n_running, self._n_waiting
+            usage, queries, hits = self._kv_usage, self._interval_queries, self._interval_hits
             self._last_log = now
             self._interval_tokens = self._interval_drafts = self._interval_accepted = 0
+            self._interval_queries = self._interval_hits = 0
         if not busy:
             return False
         throughput = tokens / elapsed if elapsed > 0 else 0.0
         mean_al = mean_acceptance_length(accepted, drafts)
+        fields = {
+            "event": "summary",
+            "generation_tokens_per_s": round(throughput, 2),
+            "mean_acceptance_length": round(mean_al, 4),
+            "drafts": drafts,
+            "running": running,
+            "waiting": waiting,
+        }
+        kv = ""
+        if usage is not None:  # as vLLM's line: KV cache usage, and the prefix hit rate of this interval
+            hit_rate = hits / queries if queries else 0.0
+            kv = f" kv_cache_usage={usage:.1%} prefix_cache_hit_rate={hit_rate:.1%}"
+            fields.update(kv_cache_usage=round(usage, 4), prefix_cache_hit_rate=round(hit_rate, 4))
         logger.info(
             "summary: generation_throughput=%.1f tokens/s mean_acceptance_length=%.2f drafts=%d "
-            "running=%d waiting=%d",
-            throughput, mean_al, drafts, running, waiting,
-            extra={
-                "event": "summary",
-                "generation_tokens_per_s": round(throughput, 2),
-                "mean_acceptance_length": round(mean_al, 4),
-                "drafts": drafts,
-                "running": running,
-                "waiting": waiting,
-            },
+            "running=%d waiting=%d%s",
+            throughput, mean_al, drafts, running, waiting, kv,
+            extra=fields,
         )
         return True
 

@@ -19,60 +19,20 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from dflash_core.detokenize import OutputText
 from dflash_core.stats import SpecSummary
+from server.serving_engine import ServingEngine
 
 if TYPE_CHECKING:
-    from dflash_core.grammar import GrammarBackend
     from dflash_core.outputs import StepOutput, TokenLogprob
     from dflash_core.sampling import SamplingParams
-    from dflash_core.stats import RequestStats
     from server.metrics import ServerMetrics
 
 log = logging.getLogger("dflash.worker")
 IDLE_WAKE_S = 1.0
 SHUTTING_DOWN = "server is shutting down"
-
-
-class ServingEngine(Protocol):
-    """What the worker uses of an engine: ``dflash_core.engine.Engine`` (tests/fake_engine.py: a scripted one).
-
-    Called from the worker thread only. A request's last ``StepOutput`` has a ``finish_reason`` ("stop", "length",
-    "abort", "error"); its ``stats`` still answer until ``release``.
-    """
-
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Queue a request and return its id (ValueError: an impossible request, answered with 400)."""
-
-    def abort(self, request_id: int) -> None:
-        """End the request with "abort" at the next step."""
-
-    def step(self) -> list[StepOutput]:
-        """Advance every active request by one iteration: one output per request that advanced."""
-
-    def stats(self, request_id: int) -> RequestStats:
-        """The request's counters (its speculative summary)."""
-
-    def release(self, request_id: int) -> None:
-        """Forget a finished request's stats."""
-
-    @property
-    def max_model_len(self) -> int:
-        """Prompt plus output tokens a request may hold (the app bounds max_tokens with it)."""
-
-    @property
-    def block_size(self) -> int:
-        """Draft block size (1: plain decoding), reported by /v1/models and the metrics."""
-
-    def estimated_speedup(self) -> float | None:
-        """Estimated speedup over plain decoding at the current load (None: not measured yet)."""
-
-    @property
-    def grammar(self) -> GrammarBackend | None:
-        """The backend that compiles structured outputs (None: they are refused); the app compiles with it in its
-        preparation threads, so that ``add_request`` only copies the compiled grammar."""
 
 
 class QueueFullError(Exception):
@@ -99,6 +59,7 @@ class WorkerEvent:
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the last event
     completion_tokens: int = 0  # on the last event: tokens of the whole request
     spec: SpecSummary | None = None  # on the last event
+    cached_tokens: int = 0  # on the last event: prompt tokens served from the prefix cache (usage)
     error: WorkerError | None = None  # the request failed (last event)
 
 
@@ -280,12 +241,15 @@ class Worker:
             self._step()
             self._publish_queue_state()
             self._metrics.set_estimated_speedup(self._engine.estimated_speedup())
+            if (kv := self._engine.kv_stats()) is not None:  # a KV pool snapshot: cheap
+                self._metrics.observe_kv(kv)
         self._metrics.maybe_log_summary(time.monotonic())
         return False
 
     def _publish_queue_state(self) -> None:
-        self.num_running = len(self._active)
-        self.num_waiting = len(self._waiting)
+        held_back = self._engine.num_waiting()  # in the engine, but waiting for KV memory
+        self.num_running = len(self._active) - held_back
+        self.num_waiting = len(self._waiting) + held_back
         self._metrics.set_queue_state(self.num_running, self.num_waiting)
 
     def _add(self, h: RequestHandle) -> None:
@@ -401,14 +365,15 @@ class Worker:
         else:
             self._release(out.request_id)
 
-    def _spec(self, r: _Request) -> SpecSummary:
+    def _final_stats(self, r: _Request) -> tuple[SpecSummary, int]:  # the summary, prompt tokens from the cache
         if r.rid is None:
-            return SpecSummary()
+            return SpecSummary(), 0
         try:
-            return self._engine.stats(r.rid).summary()
+            stats = self._engine.stats(r.rid)
+            return stats.summary(), int(getattr(stats, "cached_tokens", 0))
         except Exception:
             log.warning("engine.stats(%s) failed", r.rid, exc_info=True)
-            return SpecSummary()
+            return SpecSummary(), 0
 
     def _finish(self, r: _Request, reason: str, now: float, event: WorkerEvent | None = None) -> None:
         """Send the last event of a request and record it in the metrics."""
@@ -418,7 +383,7 @@ class Worker:
         ev = event or WorkerEvent(index=r.handle.index)
         ev.finish_reason = reason
         ev.completion_tokens = r.num_tokens
-        ev.spec = self._spec(r)
+        ev.spec, ev.cached_tokens = self._final_stats(r)
         self._release_capacity()
         r.handle.post(ev)
         self._observe_finished(r, reason, now, ev.spec)
@@ -442,7 +407,7 @@ class Worker:
         self, r: _Request, reason: str, now: float, spec: SpecSummary | None = None
     ) -> None:
         h = r.handle
-        spec = spec or self._spec(r)
+        spec = spec or self._final_stats(r)[0]
         start = r.admitted if r.admitted is not None else now
         try:
             self._metrics.observe_finished(

@@ -52,6 +52,15 @@ SLOW_TESTS = {
     "test_hybrid.py::test_dflash_serve_runs_a_hybrid_target_natively": "a server process",
     "test_server_hardening.py::test_megabytes_of_message_cost_neither_time_nor_memory": "a 7.65 MB message",
 }
+# ``core``: the engine's exactness on the hf, native and hybrid runners, the draft, compile and sampling, run by
+# CI's short job on the GPU host's software (``.ci/core_torch211.sh``: torch 2.11, transformers 5.17, Python 3.12);
+# a test of these files listed in SLOW_TESTS is left out.
+CORE_FILES = ("test_engine.py", "test_native.py", "test_hybrid.py", "test_draft.py", "test_draft_device.py",
+              "test_exactness.py", "test_compile.py", "test_sampling_reference.py", "test_step_timing.py")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "core: the core tests CI also runs on torch 2.11 (tests/conftest.py)")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
@@ -67,6 +76,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         test_id = f"{path.name}::{item.name.split('[')[0]}"
         if path.name in SLOW_FILES or test_id in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
+        if path.name in CORE_FILES and test_id not in SLOW_TESTS:
+            item.add_marker(pytest.mark.core)
     collected = {f"{Path(str(i.path)).name}::{i.name.split('[')[0]}" for i in items}
     full_run = not config.args or config.args == [str(TESTS)] or config.args == ["tests"]
     missing = [t for t in SLOW_TESTS if t.split("::")[0] not in SLOW_FILES and t not in collected]

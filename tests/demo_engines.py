@@ -26,7 +26,7 @@ def demo() -> tuple[LoadedModels, Engine]:
     steps on a loaded machine, and the exactness tests must see speculation run (`accepted_drafts`)."""
     models = load_models(EngineConfig(speculation="fixed"))
     eng = models.engine
-    plain = Engine(eng.target, None, eos_token_ids=eng.eos_token_ids, slots=eng.slots, grammar=eng.grammar)
+    plain = Engine(eng.target, None, eos_token_ids=eng.eos_token_ids, kv=eng.kv, grammar=eng.grammar)
     return models, plain
 
 

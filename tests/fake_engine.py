@@ -1,9 +1,9 @@
 """A scripted engine for fast, deterministic tests of the worker and the app (no model, no subprocess).
 
-``FakeEngine`` implements what ``server.worker.ServingEngine`` asks of ``dflash_core.engine.Engine`` (add_request,
-abort, step, stats, release) plus the attributes the app reads (``max_model_len``, ``block_size``), and returns the
-real ``StepOutput`` and ``RequestStats`` objects. What a request does is a ``Script``, chosen by a key that its
-decoded prompt contains:
+``FakeEngine`` implements what ``server.serving_engine.ServingEngine`` asks of ``dflash_core.engine.Engine``
+(add_request, abort, step, stats, release) plus the attributes the app reads (``max_model_len``, ``block_size``),
+and returns the real ``StepOutput`` and ``RequestStats`` objects. What a request does is a ``Script``, chosen by a
+key that its decoded prompt contains:
 
     engine.script("alpha", Script(["Hello E", gate, "ND tail"]))
 
@@ -176,6 +176,12 @@ class FakeEngine:
     def num_running(self) -> int:
         with self._lock:
             return len(self._active)
+
+    def num_waiting(self) -> int:
+        return 0  # every added request runs at once: no KV memory to wait for
+
+    def kv_stats(self) -> None:
+        return None  # no KV block pool
 
     def stats(self, request_id: int) -> RequestStats:
         with self._lock:

@@ -175,11 +175,17 @@ class RecordingDrafter(Drafter):
         self.inner = inner
         self.block_size = inner.block_size
         self.max_slots = inner.max_slots
+        self.prefix_cacheable = inner.prefix_cacheable
         self.check = check
         self.proposals: list[Proposal] = []
 
-    def new_state(self, slot: int, prompt_token_ids: list[int]) -> RecordedState:
-        return RecordedState(self.inner.new_state(slot, prompt_token_ids), tuple(prompt_token_ids))
+    def new_state(
+        self, slot: int, prompt_token_ids: list[int], blocks: list[int] | None = None, cached: int = 0
+    ) -> RecordedState:
+        return RecordedState(self.inner.new_state(slot, prompt_token_ids, blocks, cached), tuple(prompt_token_ids))
+
+    def context_written(self, state: RecordedState) -> int:
+        return self.inner.context_written(state.inner)
 
     def extend_context(self, state: RecordedState, features: torch.Tensor) -> None:
         self.inner.extend_context(state.inner, features)

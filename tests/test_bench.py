@@ -247,77 +247,95 @@ def test_help_lists_modes_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_memory_estimate_of_presets(capsys: pytest.CaptureFixture[str]) -> None:
+    from dflash_core.memory import GIB, cuda_cache_budget
+
     est = bench.memory_from_preset(REPO / "configs" / "qwen3-8b.yaml")
-    rows = 8192 + 16 + 1  # max_model_len + B + 1 per slot, 8 slots
-    assert est["target_kv_rows"] == rows and est["max_running_requests"] == 8
-    assert est["target_kv_bytes"] == 2 * 36 * 8 * 128 * 2 * rows * 8  # K and V, 36 layers, 8 KV heads x 128, bf16
-    assert est["target_kv_bytes"] / 1e9 == pytest.approx(9.68, abs=0.01)
-    assert est["draft_kv_bytes"] == 2 * 5 * 8 * 128 * 2 * (rows + 1) * 8
+    assert est["max_running_requests"] == 256 and est["max_model_len"] == 8192 and est["kv_block_size"] == 16
+    assert est["target_kv_bytes_per_token"] == 2 * 36 * 8 * 128 * 2  # K and V, 36 layers, 8 KV heads x 128, bf16
+    assert est["draft_kv_bytes_per_token"] == 2 * 5 * 8 * 128 * 2  # the draft's pages share the target's blocks
     # published sizes: Qwen3-8B 8.19 B parameters, its DFlash draft about 1 B
     assert est["target_params"] / 1e9 == pytest.approx(8.19, abs=0.01)
     assert est["draft_params"] / 1e9 == pytest.approx(1.05, abs=0.01)
-    assert est["total_bytes"] > 25e9  # not the ~20 GB of the weights alone
+    # an 80 GB card at --gpu-memory-utilization 0.9: less the weights, the 2 GiB reserve, the widest step's logits
+    card = est["cards"]["80 GB"]
+    budget = cuda_cache_budget(0.9, 80 * GIB, est["weights_bytes"], 2048 * 151936 * 4)
+    blocks = budget // (16 * (147456 + 20480))
+    assert card["cache_budget"] == budget and card["num_blocks"] == blocks and card["pool_tokens"] == (blocks - 1) * 16
+    assert card["pool_tokens"] == 330_096 and card["requests_full"] == (blocks - 1) // 514 == 40  # 514 = (8192+17)/16
+    assert card["requests_short"] == 158 and card["running"] == 256
+    assert not est["cards"]["24 GB"]["fits"]  # not one request of 8,192 beside 18.5 GB of weights at 0.9
     small = bench.memory_from_preset(REPO / "configs" / "qwen3-4b.yaml")
     assert small["target_params"] / 1e9 == pytest.approx(4.02, abs=0.01)  # tied embeddings
     presets = [str(REPO / "configs" / n) for n in ("qwen3-4b.yaml", "qwen3-8b.yaml", "llama3.1-8b.yaml")]
     assert bench.main(["memory", *presets]) == 0
     table = capsys.readouterr().out
-    assert table.startswith("| preset |") and "**29.5**" in table and table.count("\n| `") == 3
+    assert table.startswith("| preset |") and table.count("\n| `") == 3
+    assert "| 168 KB | 7,840 tokens: < 1 x 8,192 | " in table and "330,096 tokens: 40 x 8,192, 158 x 2,048" in table
     assert bench.main(["memory", str(REPO / "configs" / "demo.yaml")]) == 2
 
 
 def test_memory_estimate_matches_real_models_and_caches(pair: tuple[Path, Path]) -> None:
-    """Parameter counts and KV cache sizes against what the loader really allocates for a local pair."""
+    """Parameter counts and the KV pool against what the loader really allocates for a local pair."""
     import torch
 
     from dflash_core.config import EngineConfig
     from dflash_core.loading import load_models
 
     target, draft = pair
-    est = bench.memory_estimate(str(target), str(draft), dtype="float32", max_model_len=64, max_running_requests=3)
+    budget = 3 << 20
+    est = bench.memory_estimate(str(target), str(draft), dtype="float32", max_model_len=64, max_running_requests=3,
+                                kv_cache_memory=budget)
     models = load_models(EngineConfig(str(target), str(draft), device="cpu", dtype="float32", max_model_len=64,
-                         max_running_requests=3, backend="native"))
+                         max_running_requests=3, backend="native", kv_cache_memory=str(budget)))
     engine = models.engine
 
     def params(module: torch.nn.Module) -> int:
         return sum(p.numel() for p in module.parameters())
 
-    def tensors(obj: object) -> int:
-        return allocated_bytes(obj)
-
     assert est["target_params"] == params(engine.target.model)
     assert est["draft_params"] == params(engine.drafter.draft)
-    assert est["target_kv_bytes"] == tensors(engine.target)
-    assert est["draft_kv_bytes"] == tensors(engine.drafter.slots)
+    assert est["num_blocks"] == engine.target.num_blocks == models.memory.num_blocks
+    assert est["target_kv_bytes"] == engine.target.kv_bytes_per_block * engine.target.num_blocks
+    assert est["draft_kv_bytes"] == engine.drafter.draft_bytes_per_block * engine.target.num_blocks
 
 
 def test_memory_estimate_of_hybrid_and_moe_presets(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Qwen3.5 / Qwen3.6 (hybrid) and gpt-oss (MoE) presets: parameters as transformers counts them, KV rows for
-    full-attention layers only plus the Gated DeltaNet state; a tiny hybrid's estimate is what the runner allocates."""
+    """Qwen3.5 / Qwen3.6 (hybrid) and gpt-oss (MoE) presets: parameters as transformers counts them, KV for
+    full-attention layers only plus the Gated DeltaNet state per running request; a tiny hybrid's estimate is what
+    the runner allocates."""
 
     from dflash_core.config import EngineConfig
     from dflash_core.loading import load_models
 
     est = bench.memory_from_preset(REPO / "configs" / "qwen3.5-9b.yaml")
-    rows = 8192 + 16 + 1
     assert est["target_params"] == 8_953_803_264  # Qwen3_5ForCausalLM of the published text config, meta device
-    assert est["target_kv_bytes"] == 2 * 8 * 4 * 256 * 2 * rows * 8  # 8 of 32 layers keep K and V
-    # 24 DeltaNet layers, 8 slots, each state twice (live, and the copy kept for rollback)
-    assert est["target_state_bytes"] == 2 * 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4) * 8
+    assert est["target_kv_bytes_per_token"] == 2 * 8 * 4 * 256 * 2  # 8 of 32 layers keep K and V
+    # 24 DeltaNet layers, each state twice (live, and the copy kept for rollback), per running request
+    assert est["state_bytes_per_request"] == 2 * 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)
+    card = est["cards"]["48 GB"]  # the states take at most half of the budget: fewer than 256 run
+    assert card["fits"] and card["running"] == card["cache_budget"] // 2 // est["state_bytes_per_request"] < 256
+    assert card["target_state_bytes"] == card["running"] * est["state_bytes_per_request"]
+    assert not est["cards"]["24 GB"]["fits"] and est["cards"]["24 GB"]["why"] == "weights"
     assert bench.memory_from_preset(REPO / "configs" / "qwen3.5-27b.yaml")["target_params"] == 26_895_998_464
     oss = bench.memory_from_preset(REPO / "configs" / "gpt-oss-20b.yaml")
-    assert oss["target_params"] == 20_914_757_184 and oss["target_state_bytes"] == 0  # every expert resident
+    assert oss["target_params"] == 20_914_757_184 and oss["state_bytes_per_request"] == 0  # every expert resident
+    assert oss["backend"] == "hf"
     presets = [str(REPO / "configs" / n) for n in ("qwen3.5-9b.yaml", "qwen3.5-27b.yaml", "qwen3.6-27b.yaml",
                                                    "gpt-oss-20b.yaml")]
     assert bench.main(["memory", *presets]) == 0
-    assert capsys.readouterr().out.count("\n| `") == 4
+    out = capsys.readouterr().out
+    assert out.count("\n| `") == 4 and "hf backend: no pool" in out and "running: recurrent state)" in out
 
     target, draft = make_tiny_pair(tmp_path, "qwen3_5")
-    est = bench.memory_estimate(str(target), str(draft), dtype="float32", max_model_len=64, max_running_requests=3)
+    budget = 3 << 20
+    est = bench.memory_estimate(str(target), str(draft), dtype="float32", max_model_len=64, max_running_requests=3,
+                                kv_cache_memory=budget)
     engine = load_models(EngineConfig(str(target), str(draft), device="cpu", dtype="float32", max_model_len=64,
-                                      max_running_requests=3, backend="native")).engine
+                                      max_running_requests=3, backend="native",
+                                      kv_cache_memory=str(budget))).engine
     allocated = allocated_bytes(engine.target)
     assert est["target_params"] == sum(p.numel() for p in engine.target.model.parameters())
+    assert est["num_blocks"] == engine.target.num_blocks
     assert est["target_kv_bytes"] + est["target_state_bytes"] == allocated
 
 
@@ -526,3 +544,96 @@ def allocated_bytes(obj: object) -> int:
         items = value if isinstance(value, (list, tuple)) else [value]
         total += sum(t.nbytes for t in items if isinstance(t, torch.Tensor))
     return total
+
+
+# ---- the paged KV cache's modes: prefix, capacity, serve --shared-prefix-tokens ----
+def test_kv_modes_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    """prefix and capacity parse with their defaults; serve takes --shared-prefix-tokens; bad values are refused."""
+    parser = bench.build_parser()
+    a = parser.parse_args(["prefix"])
+    assert (a.turns, a.system_tokens, a.max_tokens, a.kv_block_size, a.target, a.temperature) == (6, 1000, 64, 16,
+                                                                                                  None, 0.0)
+    c = parser.parse_args(["capacity", "--slots", "3", "--preempt-blocks", "20"])
+    assert (c.slots, c.max_len, c.num_requests, c.max_tokens, c.preempt_requests, c.preempt_blocks) == (3, 1024, 48,
+                                                                                                        16, 6, 20)
+    s = parser.parse_args(["serve", "--base-url", "http://x/v1", "--shared-prefix-tokens", "500"])
+    assert s.shared_prefix_tokens == 500
+    assert parser.parse_args(["serve", "--base-url", "http://x/v1"]).shared_prefix_tokens == 0
+    assert bench.main(["prefix", "--turns", "0"]) == 2 and bench.main(["capacity", "--slots", "0"]) == 2
+    with pytest.raises(SystemExit):
+        bench.main(["serve", "--base-url", "http://x/v1", "--shared-prefix-tokens", "-1"])
+    capsys.readouterr()
+
+
+def test_prefix_counters_from_metrics_text() -> None:
+    """The hit rate comes from the server's counters (vLLM's names or dflash's), summed over label sets."""
+    text = ("# HELP vllm:prefix_cache_hits_total x\nvllm:prefix_cache_hits_total{model_name=\"m\"} 30.0\n"
+            "vllm:prefix_cache_queries_total{model_name=\"m\"} 40.0\nvllm:prefix_cache_queries_total{a=\"b\"} 10\n")
+    assert bench_serve.parse_prefix_counters(text) == {"hits": 30.0, "queries": 50.0}
+    assert bench_serve.parse_prefix_counters("dflash_prefix_cache_hits_total 1\ndflash_prefix_cache_queries 2\n") == {
+        "hits": 1.0, "queries": 2.0}
+    assert bench_serve.parse_prefix_counters("dflash_requests_total 3\n") is None
+    assert bench_serve.prefix_delta({"hits": 10, "queries": 20}, {"hits": 40, "queries": 60})["hit_rate"] == 0.75
+    assert bench_serve.prefix_delta(None, {"hits": 1, "queries": 1})["hit_rate"] is None
+    assert bench_serve.metrics_url("http://h:1/v1/") == "http://h:1/metrics"
+    p = bench_serve.with_prefix(bench.Prompt([{"role": "user", "content": "q"}], "chat"), "S")
+    assert p.messages == [{"role": "system", "content": "S"}, {"role": "user", "content": "q"}]
+
+
+def test_prefix_mode_tiny_pair(pair: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`dflash-bench prefix`: from turn 2 on the previous turn comes from the cache; the text equals caching off."""
+    target, draft = pair
+    rc = bench.main(["prefix", "--target", str(target), "--draft", str(draft), "--device", "cpu", "--turns", "3",
+                     "--system-tokens", "100", "--max-tokens", "6", "--output-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "TTFT on ms" in out and "3/3 turns give the same text" in out
+    data = json.loads((tmp_path / "prefix.json").read_text())
+    assert data["mode"] == "prefix" and data["config"]["kv_block_size"] == 16
+    s, turns = data["summary"], data["turns"]
+    assert s["all_identical"] and s["identical_turns"] == 3 and len(turns) == 3
+    assert turns[0]["prompt_tokens"] >= 100 and turns[0]["on_cached_tokens"] == 0
+    for prev, t in zip(turns, turns[1:]):
+        assert t["on_cached_tokens"] >= prev["prompt_tokens"] // 16 * 16 > 0 and t["off_cached_tokens"] == 0
+        assert t["on_cached_tokens"] < t["prompt_tokens"]
+    assert turns[0]["on_ttft_ratio"] == 1.0 and isinstance(s["meets_target"], bool)
+    assert s["kv"]["on"]["prefix_hits"] >= s["later_cached_tokens"] and s["kv"]["off"]["prefix_hits"] == 0
+
+
+def test_capacity_mode_tiny_pair(pair: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`dflash-bench capacity`: the slot layout's blocks run many more short requests at once, exact; a tight pool
+    preempts, and every request still completes with the roomy pool's output."""
+    target, draft = pair
+    rc = bench.main(["capacity", "--target", str(target), "--draft", str(draft), "--device", "cpu", "--slots", "2",
+                     "--max-len", "512", "--num-requests", "8", "--max-tokens", "4", "--preempt-requests", "4",
+                     "--preempt-max-tokens", "24", "--output-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "peak running" in out and "preemptions" in out
+    data = json.loads((tmp_path / "capacity.json").read_text())
+    c, p = data["concurrency"], data["preemption"]
+    assert data["mode"] == "capacity" and data["all_identical"]
+    assert c["budget_blocks"] == 2 * 512 // 16 + 1 and c["slot_layout"]["peak_running"] == 2
+    assert c["block_pool"]["peak_running"] >= 4 * 2 and c["concurrency_gain"] >= 4
+    assert c["identical_outputs"] == c["slot_layout_identical"] == 8 and c["reference"] == "target alone"
+    assert c["slot_layout"]["kv_bytes"] == c["block_pool"]["kv_bytes"]
+    assert p["preemptions"] > 0 and p["completed"] == 4 and p["identical_to_roomy"] == 4
+    assert p["identical_to_target_alone"] == 4 and p["roomy"]["kv"]["preemptions"] == 0
+
+
+def test_serve_shared_prefix(server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`serve --shared-prefix-tokens`: every prompt starts with the same system text, and each level reports the
+    server's prefix-cache hit rate (null when its /metrics has no such counters)."""
+    server.wait_ready(SERVER_START_TIMEOUT_S)
+    rc = bench.main(["serve", "--base-url", server.url + "/v1", "--concurrency", "2", "--num-prompts", "3",
+                     "--max-tokens", "4", "--repeats", "1", "--min-duration", "0", "--shared-prefix-tokens", "120",
+                     "--output-dir", str(tmp_path), "--no-progress", "--no-plots"])
+    assert rc == 0
+    assert "prefix cache hit rate" in capsys.readouterr().out
+    data = load_valid(tmp_path / "serve_dflash.json", bench.SERVE_SCHEMA)
+    assert data["config"]["shared_prefix_tokens"] == 120
+    assert abs(data["config"]["shared_prefix_prompt_tokens"] - 120) <= 30
+    pc = data["levels"][0]["prefix_cache"]
+    assert set(pc) == {"hits", "queries", "hit_rate"}
+    if pc["hit_rate"] is not None:  # the server counts: the shared text is served from the cache
+        assert pc["queries"] > 0 and 0 < pc["hit_rate"] <= 1

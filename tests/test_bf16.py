@@ -48,10 +48,10 @@ def test_native_bf16_logits_match_transformers(model):
     assert agree >= 0.98, agree
 
 
-def _plain_choices(target: NativeTarget, prompt: list[int], output: list[int]) -> list[int]:
+def _plain_choices(target: NativeTarget, prompt: list[int], output: list[int], blocks: list[int]) -> list[int]:
     """Plain greedy decoding's choice at every position of `output`, teacher-forced on `prompt + output`: a prefill,
-    then one-row steps, as the plain engine runs them."""
-    cache = target.new_cache(0)
+    then one-row steps, as the plain engine runs them (in `blocks`, which no request holds)."""
+    cache = target.new_cache(0, blocks)
     choices = [int(target.forward(prompt, 0, cache, features=False, last_only=True).logits.argmax())]
     for k, token in enumerate(output[:-1]):
         choices.append(int(target.forward([token], len(prompt) + k, cache, features=False).logits[0].argmax()))
@@ -69,7 +69,7 @@ def test_greedy_speculative_agrees_with_plain_in_bf16(record_property):
     spec, tok = models.engine, models.tokenizer
     target = spec.target
     assert isinstance(target, NativeTarget) and target.dtype == torch.bfloat16
-    plain = Engine(target, None, eos_token_ids=eos_token_ids(target.model, tok), slots=spec.slots)
+    plain = Engine(target, None, eos_token_ids=eos_token_ids(target.model, tok), kv=spec.kv)
     prompts = [encode_chat(tok, p.messages) for p in read_prompts(HELDOUT_PATH, "heldout")[:PROMPTS]]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     spec_ids = [spec.add_request(p, params) for p in prompts]
@@ -80,10 +80,11 @@ def test_greedy_speculative_agrees_with_plain_in_bf16(record_property):
     divergences = []
     for prompt, a, b in zip(prompts, plain_ids, spec_ids):
         x, y = tokens(plain_out[a]), tokens(spec_out[b])
-        if (d := compare_greedy(x, y, runner_logits(target, prompt))) is not None:
-            divergences.append(d)
+        with spec.kv.borrow(len(prompt) + max(len(x), len(y)) + 1) as blocks:
+            if (d := compare_greedy(x, y, runner_logits(target, prompt, blocks=blocks))) is not None:
+                divergences.append(d)
+            per_token += sum(i == j for i, j in zip(_plain_choices(target, prompt, y, blocks), y))
         end_to_end += sum(i == j for i, j in zip(x, y))
-        per_token += sum(i == j for i, j in zip(_plain_choices(target, prompt, y), y))
         total += max(len(x), len(y))
     accepted = sum(s.num_accepted_tokens for outs in spec_out.values() for s in outs)
     assert accepted > total / 4  # the trained draft: wide verify blocks, mostly accepted

@@ -1,5 +1,6 @@
 """The static, compiled decode step (inductor on CPU) gives the eager forward's outputs: the native target's verify
-step and the batched drafter's proposal, at two batch buckets and two widths, over every key bucket.
+step (with either attention kernel: gather + SDPA, and FlexAttention forced by DFLASH_ATTENTION=flex) and the
+batched drafter's proposal, at two batch buckets and two widths, over every key bucket.
 
 What inductor made of it is checked too: its generated code allocates no buffer the size of a cache layer (cache
 writes are in place: one tensor per layer, written by `index_put_`), and after warm-up no step compiles anything
@@ -11,6 +12,7 @@ compiles one graph per step function (each bucket is still its own shape, and on
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 
@@ -25,6 +27,7 @@ from dflash_core.draft import DFlashDraft
 from dflash_core.runners.base import DraftRequest
 from dflash_core.runners.drafter import DFlashDrafter
 from dflash_core.runners.native import NativeTarget
+from dflash_core.transfer import count_transfers
 from tests.helpers import make_target
 
 BUCKETS = dict(batch_sizes=(2, 4), widths=(2, 4))
@@ -69,12 +72,24 @@ def _warm_up(runner: NativeTarget | DFlashDrafter, layer: torch.Tensor) -> None:
     assert _cache_sized(code, layer) == [], "the compiled step copies a cache-sized buffer"
 
 
+KV_BLOCK = 16
+TARGET_BLOCKS = 3 * math.ceil(MAX_LEN / KV_BLOCK) + 5  # the null block, three requests' tables, four spare
+
+
+def _target(model, static: StaticShapes | None = None) -> NativeTarget:
+    """The target on pages sized as an engine would (not a fixed run per slot)."""
+    return NativeTarget(model, [0], max_slots=4, max_len=MAX_LEN, static=static, num_blocks=TARGET_BLOCKS,
+                        kv_block=KV_BLOCK)
+
+
 def _verify_steps(runner: NativeTarget) -> list:
-    """Prefill three slots, then verify steps of 2 and 3 rows (buckets 2 and 4) at widths 2 and 3 (2 and 4), each
-    followed by a rollback, as the engine does; twice more after a prefill takes the contexts past 256 keys, then
-    past 512 (every key bucket)."""
+    """Prefill three requests, then verify steps of 2 and 3 rows (buckets 2 and 4) at widths 2 and 3 (2 and 4),
+    each followed by a rollback, as the engine does; twice more after a prefill takes the contexts past 256 keys,
+    then past 512 (every key bucket, up to 608: a request's whole table). The requests' blocks are shuffled ids."""
     g = torch.Generator().manual_seed(0)
-    caches = [runner.new_cache(i) for i in range(3)]
+    ids = (torch.randperm(TARGET_BLOCKS - 1, generator=g) + 1).tolist()
+    per = math.ceil(MAX_LEN / KV_BLOCK)
+    caches = [runner.new_cache(i, ids[i * per : (i + 1) * per]) for i in range(3)]
     outs = []
     for extend in ((20, 7, 33), (250, 270, 240), (260, 240, 290)):
         for c, n in zip(caches, extend):
@@ -90,13 +105,16 @@ def _verify_steps(runner: NativeTarget) -> list:
 
 
 def test_verify_compiled_equals_eager(model):
-    eager = _verify_steps(NativeTarget(model, [0], max_slots=4, max_len=MAX_LEN))
+    eager = _verify_steps(_target(model))
     shapes = StaticShapes(**BUCKETS, compiled=True)
-    runner = NativeTarget(model, [0], max_slots=4, max_len=MAX_LEN, static=shapes)
+    runner = _target(model, shapes)
     _warm_up(runner, runner.k_cache[0])
+    assert not runner.k_cache[0][KV_BLOCK:].any()  # warm-up wrote the null block only
     graphs = _graphs()
-    compiled = _verify_steps(runner)
+    with count_transfers() as counts:
+        compiled = _verify_steps(runner)
     assert _graphs() == graphs  # nothing compiled after warm-up, at any key bucket
+    assert counts.h2d == 15  # a static step's inputs go to the device in one copy (prefills are eager)
     assert set(shapes.calls) == ALL_BUCKETS and sum(shapes.calls.values()) == 15  # every step ran the static step
     for e_step, c_step in zip(eager, compiled, strict=True):
         for e, c in zip(e_step, c_step, strict=True):
@@ -104,6 +122,49 @@ def test_verify_compiled_equals_eager(model):
             assert torch.equal(c.logits.argmax(-1), e.logits.argmax(-1))
             torch.testing.assert_close(c.logits, e.logits, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(c.features, e.features, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the Triton flex kernel under CUDA graphs: run on a GPU host"))])
+def test_verify_with_flex_kernel_equals_eager(model, device, monkeypatch):
+    """DFLASH_ATTENTION=flex (on CPU: inductor's C++ flex kernel; on CUDA the default): the compiled static step
+    reads the cache through a BlockMask built outside the compiled function, once per step, and passed in. Its
+    logits equal the eager forward's (gather + SDPA) across every key bucket (tables of 16, 32 and 38 blocks), and
+    after warm-up nothing compiles: the mask is as wide as the cache, its batch dimension dynamic."""
+    from dflash_core import flex_attention
+
+    monkeypatch.setenv("DFLASH_ATTENTION", "flex")
+    if device == "cuda":
+        model = copy.deepcopy(model).to(device)
+    tol = 1e-5 if device == "cpu" else 1e-4
+    eager = _verify_steps(_target(model))  # no static step: every forward gathers + SDPA, whatever the setting
+    built: list[bool] = []  # per mask built: was it inside a compiled region?
+    real = flex_attention.paged_block_mask
+
+    def spy(*args, **kwargs):
+        built.append(torch.compiler.is_compiling())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(flex_attention, "paged_block_mask", spy)
+    # one width bucket: the flex step compiles a graph per width (its mask's query length is a constant), and a
+    # cold inductor cache takes about a minute a graph for the C++ flex kernel; batches 2 and 4 share it
+    shapes = StaticShapes(batch_sizes=(2, 4), widths=(4,), compiled=True)
+    runner = _target(model, shapes)
+    step = runner._static_step
+    assert step.kernel == "flex"
+    _warm_up(runner, runner.k_cache[0])
+    graphs = _graphs()
+    compiled = _verify_steps(runner)
+    assert _graphs() == graphs  # nothing compiled after warm-up, at any key bucket
+    assert set(shapes.calls) == {(2, 4), (4, 4)} and sum(shapes.calls.values()) == 15
+    keys, calls = shapes.warm_up_keys(runner.device, step.cap)
+    # one mask per step (warm-up's too), never inside a compiled region
+    assert len(built) == 2 * len(keys) * calls + 15 and not any(built)
+    for e_step, c_step in zip(eager, compiled, strict=True):
+        for e, c in zip(e_step, c_step, strict=True):
+            assert torch.equal(c.logits.argmax(-1), e.logits.argmax(-1))
+            torch.testing.assert_close(c.logits, e.logits, rtol=tol, atol=tol)
+            torch.testing.assert_close(c.features, e.features, rtol=tol, atol=tol)
 
 
 # (requests, tokens proposed, context rows accepted after it): 2 or 3 rows a step (context bucket 4), proposing 3
@@ -117,24 +178,29 @@ def _proposals(model, draft, static: StaticShapes | None) -> list:
     """A batched drafter fed the same features: the prompts' (longer than a block: written to the cache before the
     first proposal, all but the last rows), then the steps of `_DRAFT_STEPS`. Widths above 2 and contexts above 1
     row: a block of 2 (one proposal) or a context of 1 row would be one more graph to compile (dimensions of 1 are
-    specialised), and the suite's time counts."""
-    target = NativeTarget(model, [0], max_slots=4, max_len=MAX_LEN)
-    drafter = DFlashDrafter(draft, target, block_size=8, max_slots=4, max_len=MAX_LEN, static=static)
+    specialised), and the suite's time counts. The draft's pages are the target's block-id space; the requests'
+    tables are shuffled ids."""
+    drafter = DFlashDrafter(draft, _target(model), block_size=8, max_slots=4, max_len=MAX_LEN, static=static)
+    assert drafter.pages is not None and drafter.pages.k[0].shape[0] == TARGET_BLOCKS * KV_BLOCK
     graphs = None
     if static is not None:
-        assert drafter.slots is not None
-        _warm_up(drafter, drafter.slots.k[0])
+        _warm_up(drafter, drafter.pages.k[0])
+        assert not any(t[KV_BLOCK:].any() for t in drafter.pages.k)  # warm-up wrote the null block only
         graphs = _graphs()
     g = torch.Generator().manual_seed(1)
     feats = torch.randn(3, MAX_LEN, 64, generator=g)
-    states = [drafter.new_state(i, []) for i in range(3)]
+    ids = (torch.randperm(TARGET_BLOCKS - 1, generator=g) + 1).tolist()
+    per = math.ceil(MAX_LEN / KV_BLOCK)
+    states = [drafter.new_state(i, [], ids[i * per : (i + 1) * per]) for i in range(3)]
     pos = [20, 9, 31]
     for st, p in zip(states, pos):
         drafter.extend_context(st, feats[0, :p])
     outs = []
     for step, (rows_n, n, accepted) in enumerate(_DRAFT_STEPS):
         items = [DraftRequest(states[r], 5 + r + step, pos[r], n) for r in range(rows_n)]
-        outs.append(drafter.propose_scored(items))
+        with count_transfers() as counts:
+            outs.append(drafter.propose_scored(items))
+        assert (counts.h2d, counts.d2h) == (1, 1)  # a proposal's integer inputs in one copy, its choices in one
         for r in range(rows_n):
             drafter.extend_context(states[r], feats[r, pos[r] : pos[r] + accepted])
             pos[r] += accepted

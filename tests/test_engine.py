@@ -32,7 +32,9 @@ class ScriptedDrafter(PerRequestDrafter):
         self.vocab = vocab
         self.pattern = pattern
 
-    def new_state(self, slot: int, prompt_token_ids: list[int]) -> tuple[list[int], itertools.cycle]:
+    def new_state(
+        self, slot: int, prompt_token_ids: list[int], blocks: list[int] | None = None, cached: int = 0
+    ) -> tuple[list[int], itertools.cycle]:
         return list(prompt_token_ids) + self.references[tuple(prompt_token_ids)], itertools.cycle(self.pattern)
 
     def extend_context(self, state: tuple, features: torch.Tensor) -> None:
@@ -52,7 +54,9 @@ class OracleDrafter(PerRequestDrafter):
         self.model = model
         self.block_size = block_size
 
-    def new_state(self, slot: int, prompt_token_ids: list[int]) -> dict:
+    def new_state(
+        self, slot: int, prompt_token_ids: list[int], blocks: list[int] | None = None, cached: int = 0
+    ) -> dict:
         return {"seq": list(prompt_token_ids), "last": None, "proposals": []}
 
     def extend_context(self, state: dict, features: torch.Tensor) -> None:

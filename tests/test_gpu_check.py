@@ -55,7 +55,9 @@ def test_scripted_drafter_copies_the_recording_at_its_rate() -> None:
     class Inner(Drafter):
         block_size, max_slots = 16, None
 
-        def new_state(self, slot: int, prompt_token_ids: list[int]) -> str:
+        def new_state(
+            self, slot: int, prompt_token_ids: list[int], blocks: list[int] | None = None, cached: int = 0
+        ) -> str:
             return "inner"
 
         def extend_context(self, state: object, features: object) -> None:

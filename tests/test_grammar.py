@@ -116,7 +116,9 @@ class RejectedTokenDrafter(PerRequestDrafter):
         self.references, self.bad, self.stop_ids, self.cuts = references, bad, stop_ids, cuts
         self.expected: list[int] = []
 
-    def new_state(self, slot: int, prompt_token_ids: list[int]) -> dict[str, Any]:
+    def new_state(
+        self, slot: int, prompt_token_ids: list[int], blocks: list[int] | None = None, cached: int = 0
+    ) -> dict[str, Any]:
         return {"seq": list(prompt_token_ids) + self.references[tuple(prompt_token_ids)], "calls": 0}
 
     def extend_context(self, state: dict[str, Any], features: Any) -> None:
@@ -142,7 +144,7 @@ def test_a_draft_token_the_grammar_rejects_ends_the_proposal() -> None:
     ps = prompts()
     refs = {tuple(p): list(o.token_ids) for p, o in zip(ps, both(ps, [params] * len(ps))[1])}
     drafter = RejectedTokenDrafter(refs, brace, set(eos))
-    engine = Engine(target, drafter, eos_token_ids=eos, slots=models.engine.slots, grammar=models.engine.grammar,
+    engine = Engine(target, drafter, eos_token_ids=eos, kv=models.engine.kv, grammar=models.engine.grammar,
                     speculation="fixed")
     drafted: list[int] = []
     outs = {}
@@ -222,7 +224,7 @@ def test_ids_beyond_the_tokenizer_are_never_allowed() -> None:
 def test_refusals_name_the_problem() -> None:
     models, _ = demo()
     with pytest.raises(ValueError, match="grammar backend"):
-        Engine(models.engine.target, None, slots=models.engine.slots).add_request(
+        Engine(models.engine.target, None, kv=models.engine.kv).add_request(
             [1, 2], SamplingParams(structured=StructuredOutput("json_object")))
     with pytest.raises(ValueError, match="does not compile"):
         models.engine.add_request([1, 2], SamplingParams(structured=StructuredOutput("regex", "(unclosed")))

@@ -156,3 +156,24 @@ def test_a_published_multimodal_qwen3_5_checkpoint_loads_as_a_native_hybrid(tmp_
     rid = models.engine.add_request(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
     out = run_all(models.engine)[rid]
     assert tokens(out) == hf_greedy(models.engine.target.model, prompt, 12)
+
+
+def test_attention_layers_on_shuffled_pages_and_no_prefix_hits(model: torch.nn.Module) -> None:
+    """The full-attention layers read their pages through the block table: shuffled block ids give the logits of
+    each slot's own run of blocks, rollback included. A hybrid cache cannot start from cached positions."""
+    prompt, block = list(range(5, 35)), [40, 41, 42, 43, 44, 45, 46, 47]
+    logits = []
+    for target, blocks in ((runner(model, slots=2), None), (HybridTarget(model, None, 2, 64, num_blocks=12,
+                                                                         kv_block=8), [9, 3, 11, 1, 6])):
+        cache = target.new_cache(1, blocks)
+        out = [target.forward(prompt, 0, cache, features=False).logits]
+        out.append(target.forward(block, len(prompt), cache, features=False).logits)
+        target.crop(cache, len(prompt) + 3)
+        out.append(target.forward(block[3:], len(prompt) + 3, cache, features=False).logits)
+        logits.append(out)
+    for a, b in zip(*logits, strict=True):
+        assert torch.equal(a, b)
+    target = runner(model, slots=2)
+    assert not target.prefix_cacheable and target.kv_block_size == 16
+    with pytest.raises(ValueError, match="cached"):
+        target.new_cache(0, None, cached=16)

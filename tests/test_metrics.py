@@ -98,6 +98,10 @@ def test_names_types_labels_and_buckets() -> None:
         "dflash_generation_tokens_per_second": "gauge",
         "dflash_spec_decode_estimated_speedup": "gauge",
         "dflash_model_info": "gauge",
+        "dflash_kv_cache_usage_perc": "gauge",
+        "dflash_prefix_cache_queries": "counter",
+        "dflash_prefix_cache_hits": "counter",
+        "dflash_num_preemptions": "counter",
     }
     parsed = samples(m)
     names = {name for name, _ in parsed}
@@ -305,6 +309,8 @@ def test_promtool_check_metrics() -> None:
 
 
 DOCKER = Path(__file__).resolve().parent.parent / "docker"
+KV_SERIES = ("dflash_kv_cache_usage_perc", "dflash_prefix_cache_queries_total", "dflash_prefix_cache_hits_total",
+             "dflash_num_preemptions_total")
 
 
 def dashboard_exprs() -> list[str]:
@@ -324,6 +330,7 @@ def test_dashboard_uses_only_exported_metrics() -> None:
     exported = {s.name for f in text_string_to_metric_families(body) for s in f.samples}
     used = {n for e in dashboard_exprs() for n in re.findall(r"\bdflash_[a-z0-9_]+", e)}
     assert used and used <= exported, used - exported
+    assert set(KV_SERIES) <= used  # KV usage, prefix hit rate and preemptions have panels
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool absent (Debian package prometheus)")
@@ -336,3 +343,88 @@ def test_dashboard_promql_and_prometheus_config(tmp_path: Path) -> None:
     for args in (["check", "rules", str(rules_file)], ["check", "config", str(DOCKER / "prometheus.yml")]):
         proc = subprocess.run(["promtool", *args], capture_output=True, timeout=30, check=False)
         assert proc.returncode == 0, (proc.stdout + proc.stderr).decode()
+
+
+# --- the KV cache: vLLM's kv_cache_usage_perc, prefix_cache_queries / hits (tokens), num_preemptions ------------
+
+
+def kv(usage: float, queries: int, hits: int, preemptions: int) -> Any:
+    from dflash_core.kv.pool import KVStats
+
+    return KVStats(num_blocks=64, block_size=16, usage=usage, prefix_queries=queries, prefix_hits=hits,
+                   preemptions=preemptions)
+
+
+def test_kv_cache_metrics_follow_the_engines_cumulative_counts(caplog: pytest.LogCaptureFixture) -> None:
+    m = make_metrics(log_interval_s=1.0)
+    parsed = samples(m)
+    assert [value(parsed, n) for n in KV_SERIES] == [0, 0, 0, 0]  # present before traffic
+    m.observe_kv(None)  # no pool (hf backend): nothing moves
+    m.observe_kv(kv(0.25, 1000, 0, 0))
+    m.observe_kv(kv(0.5, 2600, 1536, 1))
+    parsed = samples(m)
+    assert [value(parsed, n) for n in KV_SERIES] == [0.5, 2600, 1536, 1]
+    m.observe_kv(kv(0.125, 2600, 1536, 1))  # an unchanged count adds nothing
+    m.observe_kv(None)
+    assert [value(samples(m), n) for n in KV_SERIES] == [0.125, 2600, 1536, 1]
+    with caplog.at_level(logging.INFO, logger="dflash.metrics"):
+        m.set_queue_state(running=1, waiting=0)
+        m.maybe_log_summary(0.0)
+        m.observe_kv(kv(0.75, 3600, 2304, 3))
+        m.maybe_log_summary(2.0)  # the first summary: everything since start, 2,304 of 3,600 tokens hit
+    line = next(r for r in caplog.records if r.getMessage().startswith("summary:"))
+    assert "kv_cache_usage=75.0% prefix_cache_hit_rate=64.0%" in line.getMessage()
+    assert line.kv_cache_usage == 0.75 and line.prefix_cache_hit_rate == 0.64  # type: ignore[attr-defined]
+    assert value(samples(m), "dflash_num_preemptions_total") == 3
+
+
+def test_kv_metrics_and_cached_tokens_through_the_app() -> None:
+    """A fake engine with a KV pool: /metrics shows its snapshot after a step, and responses carry OpenAI's
+    usage.prompt_tokens_details.cached_tokens (chat and completions, streamed and not; once per prompt)."""
+    from tests.fake_engine import FakeEngine, Script, demo_tokenizer
+    from tests.test_app_fake import chat, completion, make_app, run, serving, stream_chunks
+
+    class PagedFakeEngine(FakeEngine):
+        """Scripted prefix-cache hits per prompt key, and a scripted KV snapshot."""
+
+        hits: dict[str, list[int]]
+        snapshot: Any = None
+
+        def add_request(self, prompt_token_ids: list[int], params: Any) -> int:
+            rid = super().add_request(prompt_token_ids, params)
+            key = next((k for k in self.hits if k in self.prompts[rid]), None)
+            if key is not None and self.hits[key]:
+                self.stats(rid).cached_tokens = self.hits[key].pop(0)
+            return rid
+
+        def kv_stats(self) -> Any:
+            return self.snapshot
+
+    engine = PagedFakeEngine(tokenizer=demo_tokenizer())
+    engine.hits = {"turn": [0, 48, 48, 32, 48, 16, 16]}
+    engine.snapshot = kv(0.375, 96, 48, 2)
+    engine.script("turn", Script(["ok"]))
+    app = make_app(engine)
+
+    def cached(body: dict[str, Any]) -> int:
+        return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    async def test() -> None:
+        async with serving(app) as client:
+            r = await client.post("/v1/chat/completions", json=chat("turn one"))
+            assert cached(r.json()) == 0 and r.json()["usage"]["prompt_tokens"] > 0
+            r = await client.post("/v1/chat/completions", json=chat("turn two"))
+            assert cached(r.json()) == 48
+            r = await client.post("/v1/completions", json=completion("turn three", stream=True,
+                                                                     stream_options={"include_usage": True}))
+            assert cached(stream_chunks(r.text)[-1]) == 48
+            # two prompts x n=2: each prompt counts once, with the least any of its choices got (32, then 16)
+            r = await client.post("/v1/completions", json=completion(["turn a", "turn b"], n=2))
+            assert cached(r.json()) == 32 + 16
+            metrics = (await client.get("/metrics")).text
+            assert "dflash_kv_cache_usage_perc 0.375" in metrics
+            assert "dflash_prefix_cache_queries_total 96.0" in metrics
+            assert "dflash_prefix_cache_hits_total 48.0" in metrics
+            assert "dflash_num_preemptions_total 2.0" in metrics
+
+    run(test)

@@ -67,3 +67,47 @@ def test_help_shows_every_default() -> None:
         if f.default is not None:
             shown = ("on" if f.default else "off") if isinstance(f.default, bool) else str(f.default)
             assert f"(default: {shown})" in entry, entry
+
+
+def test_kv_pool_settings_vllm_spellings_and_defaults(tmp_path: Path) -> None:
+    """The paged KV cache's settings: vLLM's flags and defaults, environment and YAML, and what is refused."""
+    s = Settings()
+    assert (s.max_running_requests, s.kv_block_size, s.enable_prefix_caching) == (256, 16, True)
+    assert s.max_model_len is None and s.kv_cache_memory is None and s.gpu_memory_utilization is None
+    s = resolve_settings(["--max-num-seqs", "32", "--kv-block-size", "32", "--no-enable-prefix-caching",
+                          "--max-model-len", "4096", "--block-size", "8"], env={})
+    assert (s.max_running_requests, s.kv_block_size, s.enable_prefix_caching) == (32, 32, False)
+    assert (s.max_model_len, s.block_size) == (4096, 8)  # --block-size stays the DFlash draft block
+    flag_wins = resolve_settings(["--enable-prefix-caching"], env={"DFLASH_ENABLE_PREFIX_CACHING": "0"})
+    assert flag_wins.enable_prefix_caching
+    env = {"DFLASH_KV_BLOCK_SIZE": "64", "DFLASH_ENABLE_PREFIX_CACHING": "off", "DFLASH_MAX_RUNNING_REQUESTS": "9"}
+    s = resolve_settings([], env=env)
+    assert (s.kv_block_size, s.enable_prefix_caching, s.max_running_requests) == (64, False, 9)
+    config = tmp_path / "kv.yaml"
+    config.write_text("kv_block_size: 8\nenable_prefix_caching: false\nkv_cache_memory: 2GiB\n")
+    s = resolve_settings(["--config", str(config)], env={})
+    assert (s.kv_block_size, s.enable_prefix_caching, s.kv_cache_memory) == (8, False, "2GiB")
+    for bad in ("0", "24", "512"):  # a power of two <= 256: the compiled steps' key buckets split into whole blocks
+        with pytest.raises(ValueError, match="kv_block_size must be a power of two"):
+            resolve_settings(["--kv-block-size", bad], env={})
+    with pytest.raises(ValueError, match="max_num_batched_tokens must exceed max_running_requests"):
+        resolve_settings(["--max-num-seqs", "4096"], env={})
+
+
+def test_kv_pool_help_text() -> None:
+    help_text = " ".join(build_parser().format_help().split())
+    assert "--max-running-requests MAX_RUNNING_REQUESTS, --max-num-seqs MAX_RUNNING_REQUESTS" in help_text
+    assert "--enable-prefix-caching, --no-enable-prefix-caching" in help_text
+    for phrase in ("the KV cache's block is --kv-block-size", "(default: 0.9 unless --kv-cache-memory is set",
+                   "a quarter of the available RAM, at most 1 GiB", "the KV pool decides how many of them fit"):
+        assert phrase in help_text, phrase
+
+
+def test_presets_parse_with_the_pool_settings() -> None:
+    presets = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+    assert len(presets) >= 8
+    for preset in presets:
+        s = resolve_settings(["--config", str(preset)], env={})
+        assert s.kv_block_size == 16 and s.enable_prefix_caching, preset.name
+        if s.device == "cuda" and s.backend == "auto" and "gpt-oss" not in preset.name:
+            assert s.max_running_requests == 256 and s.gpu_memory_utilization == 0.9, preset.name

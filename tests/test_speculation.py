@@ -110,28 +110,39 @@ class Req:
     aborted: bool = False
     extra: dict = field(default_factory=dict)
 
+    @property
+    def prefill_tokens(self) -> list[int]:
+        return self.prompt
+
+
+def _admit_by(slots: SlotPool):
+    """An admission that takes one slot per request (the engine's KVManager also takes blocks)."""
+    def admit(req: Req) -> bool:
+        if not slots.has_free():
+            return False
+        slots.allocate()
+        return True
+    return admit
+
 
 def test_scheduler_chunks_prompts_under_the_budget() -> None:
     slots = SlotPool(2)
-    sched = Scheduler(slots, max_num_batched_tokens=40, prefill_chunk=16)
+    sched = Scheduler(_admit_by(slots), max_num_batched_tokens=40, prefill_chunk=16)
     long, short, late = Req(list(range(50))), Req(list(range(5))), Req(list(range(3)))
     for r in (long, short, late):
         sched.add(r)
     plan = sched.schedule()
-    # new requests start in arrival order while slots are free; together they take one chunk
+    # new requests are admitted in arrival order while there is room; together they take one chunk
     assert [c.req for c in plan.prefill] == [long] and plan.prefill[0].tokens == list(range(16))
     assert plan.starting == [long]
-    sched.started(long)
-    slots.allocate()
     long.prefilled = 16
     plan = sched.schedule()
     assert [(c.req, c.start, len(c.tokens)) for c in plan.prefill] == [(long, 16, 16)]
     long.prefilled = 48
     plan = sched.schedule()  # the long prompt's tail and the short prompt share one chunk, in one forward
     assert [(c.req, c.start, len(c.tokens)) for c in plan.prefill] == [(long, 48, 2), (short, 0, 5)]
-    assert plan.prefill[0].last and plan.starting == [short]  # `late` waits: no slot left
-    sched.started(short)
-    slots.allocate()
+    assert plan.prefill[0].last and plan.starting == [short]
+    assert list(sched.waiting) == [late]  # not admitted: no slot left
     sched.prefilled(long)
     sched.prefilled(short)
     plan = sched.schedule()
@@ -141,7 +152,7 @@ def test_scheduler_chunks_prompts_under_the_budget() -> None:
 
 def test_scheduler_keeps_one_token_per_running_request() -> None:
     slots = SlotPool(8)
-    sched = Scheduler(slots, max_num_batched_tokens=10, prefill_chunk=64)
+    sched = Scheduler(_admit_by(slots), max_num_batched_tokens=10, prefill_chunk=64)
     running = [Req([1]) for _ in range(6)]
     for r in running:
         sched.add(r)
@@ -155,6 +166,19 @@ def test_scheduler_keeps_one_token_per_running_request() -> None:
     assert plan.verify_budget == 6
     running[0].aborted = True
     assert running[0] in sched.schedule().aborted
+
+
+def test_scheduler_puts_a_preempted_request_first_in_line() -> None:
+    slots = SlotPool(1)
+    sched = Scheduler(_admit_by(slots), prefill_chunk=64)
+    first, second = Req([1, 2]), Req([3, 4])
+    sched.add(first)
+    sched.add(second)
+    assert sched.schedule().starting == [first]
+    sched.prefilled(first)
+    sched.preempted(first)
+    slots.release(0)
+    assert sched.schedule().starting == [first]  # ahead of `second`, which arrived before its preemption
 
 
 # ---- the engine under the policy: output stays the target's ----

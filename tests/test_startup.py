@@ -61,6 +61,12 @@ def test_cuda_without_cuda(tmp_path: Path) -> None:
     assert not any("Uvicorn running" in line for line in lines)
 
 
+def test_gpu_memory_utilization_without_cuda(tmp_path: Path) -> None:
+    code, lines = run_to_exit(["--device", "cpu", "--gpu-memory-utilization", "0.5"], tmp_path / "log")
+    assert_one_clear_error(code, lines, "--gpu-memory-utilization", "on cpu use --kv-cache-memory")
+    assert not any("Uvicorn running" in line for line in lines)  # found before the models load
+
+
 def test_mismatched_draft(pair: tuple[Path, Path], tmp_path: Path) -> None:
     target, draft = pair
     code, lines = run_to_exit(["--target", str(target), "--draft", str(draft), "--device", "cpu"], tmp_path / "log")
@@ -83,6 +89,9 @@ def test_bad_setting_is_one_line_and_exit_2(tmp_path: Path) -> None:
         (["--frobnicate"], None, "unrecognized arguments: --frobnicate"),
         (["--port"], None, "argument --port: expected one argument"),
         (["--config", "{c}"], "port: [\n", "malformed YAML"),
+        (["--kv-block-size", "24"], None, "kv_block_size must be a power of two in 1..256, got 24"),
+        (["--max-num-seqs", "0"], None, "max_running_requests must be >= 1"),
+        (["--enable-prefix-caching=no"], None, "ignored explicit argument"),
     ],
 )
 def test_usage_errors_are_one_line_and_exit_2(

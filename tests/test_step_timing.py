@@ -52,7 +52,9 @@ class WrongDrafter(PerRequestDrafter):
 
     block_size = 4
 
-    def new_state(self, slot: int, prompt_token_ids: list[int]) -> None:
+    def new_state(
+        self, slot: int, prompt_token_ids: list[int], blocks: list[int] | None = None, cached: int = 0
+    ) -> None:
         return None
 
     def extend_context(self, state: Any, features: torch.Tensor) -> None:

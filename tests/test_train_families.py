@@ -138,7 +138,8 @@ def test_train_then_serve_every_family(family: str, workspace: dict[str, Any], c
         trained = train.context_features(model, ids, att, layer_ids)
     runner = spec.engine.target
     for r, p in enumerate((long, short)):
-        served = runner.forward(p, 0, runner.new_cache(r), features=True).features
+        with spec.engine.kv.borrow(len(p)) as blocks:
+            served = runner.forward(p, 0, runner.new_cache(r, blocks), features=True).features
         assert served is not None
         torch.testing.assert_close(trained[r, : len(p)], served, atol=2e-4, rtol=1e-3)
 

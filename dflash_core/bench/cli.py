@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from dflash_core.bench import gpu_check
+from dflash_core.bench import gpu_check, kv_capacity, prefix
 from dflash_core.bench.errors import BenchError
 from dflash_core.bench.measure import header
 from dflash_core.bench.memory import format_memory, memory_from_preset
@@ -25,6 +25,7 @@ from dflash_core.bench.serve import (
     DEFAULT_MIN_DURATION_S,
     DEFAULT_REPEATS,
     compare_levels,
+    format_prefix_cache,
     run_serve,
     run_serve_pair,
 )
@@ -59,7 +60,7 @@ def _concurrency(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `dflash-bench` command line: the offline, serve and memory modes."""
+    """The `dflash-bench` command line: the offline, serve, stall, memory, prefix, capacity and gpu-check modes."""
     p = argparse.ArgumentParser(
         prog="dflash-bench",
         description="DFlash vs plain decoding, measured side by side.",
@@ -102,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     gpu_check.add_parser(sub)
+    prefix.add_parser(sub)  # before offline: the help test reads the lines after offline, serve, stall and memory
+    kv_capacity.add_parser(sub)
     off = sub.add_parser(
         "offline",
         help="in-process: plain vs DFlash decoding of one target",
@@ -173,6 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
         "on it, then on --base-url, and the comparison and plots show both (default: none)",
     )
     srv.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    srv.add_argument(
+        "--shared-prefix-tokens", type=int, default=0, metavar="N",
+        help="every prompt begins with the same system message of about N tokens (a fixed text, sized with the "
+        "server's token counts); each level reports the server's prefix-cache hit rate from /metrics (default: 0, "
+        "no shared prefix)")
 
     stall = sub.add_parser(
         "stall",
@@ -203,11 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`dflash-bench offline|serve ...`; returns the exit code."""
+    """`dflash-bench MODE ...`; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.mode == "gpu-check":
         return gpu_check.main(args)
+    if args.mode in ("prefix", "capacity"):
+        return (prefix if args.mode == "prefix" else kv_capacity).main(args, argv)
     if args.mode == "memory":
         try:
             print(format_memory([memory_from_preset(path) for path in args.presets]))
@@ -229,8 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.max_tokens < 1 or (args.num_prompts is not None and args.num_prompts < 1):
         parser.error("--max-tokens and --num-prompts must be >= 1")
-    if args.mode == "serve" and (args.repeats < 1 or args.min_duration < 0):
-        parser.error("--repeats must be >= 1 and --min-duration >= 0")
+    if args.mode == "serve" and (args.repeats < 1 or args.min_duration < 0 or args.shared_prefix_tokens < 0):
+        parser.error("--repeats must be >= 1, --min-duration and --shared-prefix-tokens >= 0")
     try:
         return _main(args, argv)
     except BenchError as exc:
@@ -302,6 +312,7 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             progress=progress,
             repeats=args.repeats,
             min_duration=args.min_duration,
+            shared_prefix_tokens=args.shared_prefix_tokens,
         )
         if args.baseline_url:
             body, base_body = run_serve_pair(args.base_url.rstrip("/"), args.baseline_url.rstrip("/"), prompts,
@@ -321,6 +332,8 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         json_path = out_dir / f"serve_{safe_name(result['label'])}.json"
         write_json(result, json_path)
         print(format_serve(result))
+        if format_prefix_cache(result):
+            print("\n" + format_prefix_cache(result))
         plots = [] if args.no_plots else plot_serve(result, out_dir, baseline)
         failed = any(lv["failed"] for lv in result["levels"])
     print("\nwrote " + ", ".join(str(p) for p in [json_path, *plots]))

@@ -111,10 +111,7 @@ def make_plan(dry_run: bool, iters: int | None = None, quick: bool = False) -> P
         raise BenchError("gpu-check needs a CUDA GPU (torch.cuda.is_available() is False); "
                          "`scripts/gpu_check.sh --dry-run` runs it on CPU with tiny shapes")
     names = {"Qwen3-8B": "Qwen/Qwen3-8B"} if quick else {"Qwen3-8B": "Qwen/Qwen3-8B", "Qwen3.5-9B": "Qwen/Qwen3.5-9B"}
-    notes = []
-    if "Qwen3.5-9B" in names and _transformers_before(5, 24):  # its rotary layer took 3-D positions before 5.24
-        del names["Qwen3.5-9B"]
-        notes.append("Qwen3.5-9B left out: the hybrid runner needs transformers >= 5.24")
+    notes: list[str] = []
     models = {k: _full(v) for k, v in names.items()}
     drafts = {k: _draft_fields(v, v["num_hidden_layers"]) for k, v in models.items()}
     if quick:
@@ -123,13 +120,6 @@ def make_plan(dry_run: bool, iters: int | None = None, quick: bool = False) -> P
                     memory_preset=("Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16"), e2e_after_s=330)
     return Plan(torch.device("cuda"), models, drafts, (1, 4, 16, 32), (1, 4, 8, 16), 1024, iters or 20,
                 ("eager", "compiled"), notes, memory_preset=("Qwen/Qwen3-8B", "z-lab/Qwen3-8B-DFlash-b16"))
-
-
-def _transformers_before(major: int, minor: int) -> bool:
-    import transformers
-
-    got = tuple(int(x) for x in transformers.__version__.split(".")[:2] if x.isdigit())
-    return got < (major, minor)
 
 
 def _progress(message: str) -> None:

@@ -36,9 +36,15 @@ class ScriptedDrafter(Drafter):
     def __init__(self, inner: Drafter, script: dict[tuple[int, ...], list[int]], rate: float, vocab: int) -> None:
         self.inner, self.script, self.rate, self.vocab = inner, script, rate, vocab
         self.block_size, self.max_slots = inner.block_size, inner.max_slots
+        self.prefix_cacheable = inner.prefix_cacheable
 
-    def new_state(self, slot: int, prompt_token_ids: list[int]) -> _ScriptedState:
-        return _ScriptedState(self.inner.new_state(slot, prompt_token_ids), tuple(prompt_token_ids))
+    def new_state(
+        self, slot: int, prompt_token_ids: list[int], blocks: list[int] | None = None, cached: int = 0
+    ) -> _ScriptedState:
+        return _ScriptedState(self.inner.new_state(slot, prompt_token_ids, blocks, cached), tuple(prompt_token_ids))
+
+    def context_written(self, state: _ScriptedState) -> int:
+        return self.inner.context_written(state.inner)
 
     def extend_context(self, state: _ScriptedState, features: Any) -> None:
         self.inner.extend_context(state.inner, features)

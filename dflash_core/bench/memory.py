@@ -1,8 +1,10 @@
-"""`dflash-bench memory`: the GPU memory the native backend allocates at start-up for a preset, computed from the
-models' shapes (nothing is loaded or downloaded). Dense, MoE (experts counted in full: every expert is resident) and
-hybrid Gated DeltaNet targets (KV rows for the full-attention layers only, plus each slot's convolution windows
-and recurrent states, as `dflash_core.runners.hybrid` allocates them). The per-row and per-slot arithmetic lives in
-`dflash_core.memory`, which the start-up budget uses too."""
+"""`dflash-bench memory`: what a preset's KV pool holds on a card, in tokens, computed from the models' shapes
+(nothing is loaded or downloaded): the weights, then the pool that `--gpu-memory-utilization` (the preset's, else
+0.9) leaves beside them, as positions of KV and as requests of the preset's max_model_len (and of 2,048 tokens)
+that run at once. Dense, MoE (experts counted in full: every expert is resident) and hybrid Gated DeltaNet targets
+(KV for the full-attention layers only, plus each running request's convolution windows and recurrent states, as
+`dflash_core.runners.hybrid` allocates them). The arithmetic is `dflash_core.memory`'s, which the start-up plan
+uses too (`plan_memory`)."""
 
 from __future__ import annotations
 
@@ -12,16 +14,29 @@ from typing import Any
 
 from dflash_core.bench.errors import BenchError
 from dflash_core.memory import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
     GB,
+    GIB,
+    SHORT_REQUEST,
+    MemoryBudget,
+    PoolCosts,
+    cuda_cache_budget,
     kv_bytes_per_row,
     layer_types,
     linear_dims,
     normalize_shape,
+    plan_memory,
     state_bytes_per_slot,
+    verify_logits_bytes,
 )
 
-__all__ = ["GB", "kv_bytes_per_row", "layer_types", "state_bytes_per_slot", "memory_estimate", "format_memory",
-           "memory_from_preset", "target_params", "draft_params"]
+__all__ = ["GB", "CARDS", "kv_bytes_per_row", "layer_types", "state_bytes_per_slot", "memory_estimate",
+           "format_memory", "memory_from_preset", "target_params", "draft_params"]
+
+# The cards of the table: (label, bytes torch reports as the card's total memory)
+CARDS: tuple[tuple[str, int], ...] = (("24 GB", 24 * GIB), ("48 GB", 48 * GIB), ("80 GB", 80 * GIB),
+                                      ("H200 141 GB", 139 * GIB))
+
 
 # Qwen3.5 / Qwen3.6 dense text configs: Gated DeltaNet layers, every fourth layer full attention (with an output
 # gate), vocabulary 248320, untied head
@@ -170,29 +185,67 @@ def draft_params(m: dict[str, Any]) -> int:
     return len(m["target_layer_ids"]) * h * h + h + int(m["num_hidden_layers"]) * _layer_params(m) + h
 
 
+def _card(costs: PoolCosts, weights: int, slots: int, length: int, model_max: int, utilization: float,
+          total: int, logits: int) -> dict[str, Any]:
+    """The start-up plan on one card (dflash_core.memory.plan_memory), or why nothing fits."""
+    budget = cuda_cache_budget(utilization, total, weights, logits)
+    row: dict[str, Any] = {"card_bytes": total, "cache_budget": budget}
+    if budget <= 0:
+        return {**row, "fits": False, "why": "weights"}
+    try:
+        plan = plan_memory(costs, weights, slots, length, model_max, budget, "card")
+    except ValueError:  # not one request of max_model_len: the pool as it is, for the table
+        try:
+            short = plan_memory(costs, weights, slots, None, length, budget, "card")
+        except ValueError:
+            return {**row, "fits": False, "why": "weights"}
+        return {**row, "fits": False, "why": "max_model_len", "pool_tokens": short.pool_tokens}
+    return {**row, **_plan_dict(plan), "fits": True}
+
+
+def _plan_dict(plan: MemoryBudget) -> dict[str, Any]:
+    return {
+        "num_blocks": plan.num_blocks,
+        "pool_tokens": plan.pool_tokens,
+        "running": plan.slots,
+        "requests_full": plan.requests_of(plan.max_model_len),
+        "requests_short": plan.requests_of(min(SHORT_REQUEST, plan.max_model_len)),
+        "target_kv_bytes": plan.target_kv,
+        "draft_kv_bytes": plan.draft_kv,
+        "target_state_bytes": plan.state,
+    }
+
+
 def memory_estimate(
     target: str,
     draft: str | None,
     *,
     dtype: str = "bfloat16",
     max_model_len: int | None = None,
-    max_running_requests: int = 8,
+    max_running_requests: int = 256,
     block_size: int | None = None,
+    kv_block_size: int = 16,
+    kv_cache_memory: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    max_num_batched_tokens: int | None = 2048,
 ) -> dict[str, Any]:
-    """GPU memory the native backend allocates up front, in bytes: weights, and the slot KV caches it
-    preallocates (dflash_core.loading): the target's `max_running_requests x (max_model_len + B + 1)` rows and
-    the draft's one row more per slot; for a hybrid target, KV rows of its full-attention layers only and each
-    slot's Gated DeltaNet state (`target_state_bytes`). Activations, the CUDA context and allocator slack come on
-    top. A target the native backend does not run (gpt-oss: sliding-window attention) runs on hf, whose caches grow
-    with each request: its KV figure is then the most they reach, every slot at `max_model_len`."""
+    """Memory of the native backend, in bytes: the weights; the KV pool per position (target attention layers'
+    K and V, the draft's in the same blocks) and a hybrid's recurrent state per running request
+    (`target_state_bytes`); the pool of `kv_cache_memory` bytes (None: every running request at full length, the
+    runners' default pool) with its totals; and, per card of `CARDS`, the pool `gpu_memory_utilization` (default
+    0.9) leaves beside the weights, in tokens and in requests (`cards`). Activations, the CUDA context and allocator
+    slack come on top of the totals. A target the native backend does not run (gpt-oss: sliding-window attention)
+    runs on hf, whose caches grow with each request: its figures are what a pool of that size would hold."""
     t = _model_shape(target)
     d = _model_shape(draft) if draft else None
     nbytes = DTYPE_BYTES.get(dtype)
     if nbytes is None:
         raise BenchError(f"unknown dtype {dtype!r}; choose {', '.join(DTYPE_BYTES)}")
     block = int(block_size or (d or {}).get("block_size") or 1) if d else 1
-    length = int(max_model_len or t["max_position_embeddings"])
-    rows = length + block + 1
+    model_max = int(t["max_position_embeddings"])
+    length = int(max_model_len or model_max)
+    costs = PoolCosts(kv_bytes_per_row(t, nbytes), kv_bytes_per_row(d, nbytes) if d else 0,
+                      state_bytes_per_slot(t, nbytes), kv_block_size, extra_len=block + 1)
     out: dict[str, Any] = {
         "target": target,
         "draft": draft,
@@ -200,23 +253,36 @@ def memory_estimate(
         "max_model_len": length,
         "max_running_requests": max_running_requests,
         "block_size": block,
+        "kv_block_size": kv_block_size,
         "target_params": target_params(t),
         "draft_params": draft_params(d) if d else 0,
-        "target_kv_rows": rows,
-        "draft_kv_rows": rows + 1 if d else 0,
+        "target_kv_bytes_per_token": costs.target_row,
+        "draft_kv_bytes_per_token": costs.draft_row,
+        "state_bytes_per_request": costs.state,
     }
-    out["weights_bytes"] = (out["target_params"] + out["draft_params"]) * nbytes
-    out["target_kv_bytes"] = kv_bytes_per_row(t, nbytes) * rows * max_running_requests
-    out["target_state_bytes"] = state_bytes_per_slot(t, nbytes) * max_running_requests
-    out["draft_kv_bytes"] = kv_bytes_per_row(d, nbytes) * (rows + 1) * max_running_requests if d else 0
-    out["total_bytes"] = (out["weights_bytes"] + out["target_kv_bytes"] + out["target_state_bytes"]
-                          + out["draft_kv_bytes"])
+    out["weights_bytes"] = weights = (out["target_params"] + out["draft_params"]) * nbytes
+    # the native backend does not run sliding-window attention: such a target runs on hf, which has no pool
+    out["backend"] = "hf" if "sliding_attention" in layer_types(t) else "native"
+    try:
+        plan = plan_memory(costs, weights, max_running_requests, length, model_max, kv_cache_memory,
+                           "--kv-cache-memory")
+    except ValueError as exc:
+        raise BenchError(str(exc)) from None
+    out.update(_plan_dict(plan))
+    out["total_bytes"] = weights + plan.caches
+    utilization = gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+    out["gpu_memory_utilization"] = utilization
+    logits = verify_logits_bytes(max_running_requests, block, int(t["vocab_size"]), max_num_batched_tokens)
+    out["cards"] = {label: _card(costs, weights, max_running_requests, length, model_max, utilization, total, logits)
+                    for label, total in CARDS}
     return out
 
 
 def memory_from_preset(path: Path) -> dict[str, Any]:
-    """memory_estimate for a configs/*.yaml preset."""
+    """memory_estimate for a configs/*.yaml preset (its running cap, lengths and budget settings)."""
     import yaml
+
+    from dflash_core.memory import parse_bytes
 
     try:
         cfg = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
@@ -224,30 +290,54 @@ def memory_from_preset(path: Path) -> dict[str, Any]:
         raise BenchError(f"cannot read preset {path}: {exc}") from None
     if not cfg.get("target"):
         raise BenchError(f"{path}: no target (the bundled demo pair is a few MB)")
+    kv = cfg.get("kv_cache_memory")
     est = memory_estimate(
         cfg["target"],
         cfg.get("draft") if cfg.get("speculative", True) else None,
         dtype=cfg.get("dtype") or "auto",
         max_model_len=cfg.get("max_model_len"),
-        max_running_requests=int(cfg.get("max_running_requests") or 8),
+        max_running_requests=int(cfg.get("max_running_requests") or 256),
         block_size=cfg.get("block_size"),
+        kv_block_size=int(cfg.get("kv_block_size") or 16),
+        kv_cache_memory=parse_bytes(kv) if kv else None,
+        gpu_memory_utilization=cfg.get("gpu_memory_utilization"),
+        max_num_batched_tokens=cfg.get("max_num_batched_tokens", 2048),
     )
     return {"preset": str(path), **est}
 
 
+def _cell(card: dict[str, Any], length: int, cap: int, backend: str) -> str:
+    """One card's figures: pool tokens, then requests of max_model_len and of 2,048 tokens that run at once."""
+    if not card["fits"] and card["why"] == "weights":
+        return "- (weights)"
+    if backend == "hf":
+        return "hf backend: no pool"
+    if not card["fits"]:
+        return f"{card['pool_tokens']:,} tokens: < 1 x {length:,}"
+    text = f"{card['pool_tokens']:,} tokens: {card['requests_full']:,} x {length:,}"
+    if length > SHORT_REQUEST:
+        text += f", {card['requests_short']:,} x {SHORT_REQUEST:,}"
+    if card["running"] < cap:
+        text += f" ({card['running']} running: recurrent state)"
+    return text
+
+
 def format_memory(rows: list[dict[str, Any]]) -> str:
-    """A Markdown table of memory estimates (GB = 1e9 bytes)."""
-    head = ("| preset | target + draft | weights GB | target KV GB | draft KV GB | total GB |\n"
-            "|---|---|---|---|---|---|")
+    """A Markdown table: weights, KV per token, and per card the pool in tokens and in requests that run at once
+    (GB = 1e9 bytes; KB = 1e3)."""
+    labels = [label for label, _ in CARDS]
+    head = ("| preset | target + draft | weights GB | KV per token | "
+            + " | ".join(f"{label} card" for label in labels) + " |\n|" + "---|" * (4 + len(labels)))
     lines = [head]
     for r in rows:
-        slots = f"{r['max_running_requests']} x {r['target_kv_rows']:,} rows"
-        if r.get("target_state_bytes"):
-            slots += f"; + {r['target_state_bytes'] / GB:.2f} GB recurrent state"
+        per_token = (r["target_kv_bytes_per_token"] + r["draft_kv_bytes_per_token"]) / 1e3
+        state = r.get("state_bytes_per_request") or 0
+        kv = f"{per_token:.0f} KB" + (f" + {state / 1e6:.0f} MB state per request" if state else "")
+        cells = " | ".join(_cell(r["cards"][label], r["max_model_len"], r["max_running_requests"], r["backend"])
+                           for label in labels)
         lines.append(
             f"| `{Path(r['preset']).name}` | {r['target']} ({r['target_params'] / 1e9:.2f} B params) + "
             f"{r['draft'] or 'no draft'} ({r['draft_params'] / 1e9:.2f} B), {r['dtype']} | "
-            f"{r['weights_bytes'] / GB:.1f} | {r['target_kv_bytes'] / GB:.1f} ({slots}) | "
-            f"{r['draft_kv_bytes'] / GB:.1f} | **{r['total_bytes'] / GB:.1f}** |"
+            f"{r['weights_bytes'] / GB:.1f} | {kv} | {cells} |"
         )
     return "\n".join(lines)

@@ -156,7 +156,7 @@ def run_offline(
         raise BenchError("offline needs a draft with block size >= 2")
     # the same runner, so the same slots; the same scheduler settings, so prompts are prefilled in the same chunks
     plain = Engine(dflash.target, None, eos_token_ids=dflash.eos_token_ids, max_model_len=dflash.max_model_len,
-                   slots=dflash.slots, max_num_batched_tokens=dflash.scheduler.max_num_batched_tokens,
+                   kv=dflash.kv, max_num_batched_tokens=dflash.scheduler.max_num_batched_tokens,
                    prefill_chunk=dflash.scheduler.prefill_chunk)
     bsz = dflash.block_size
     encoded = [encode_prompt(models.tokenizer, p.messages) for p in prompts]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +16,84 @@ from dflash_core.stats import mean_acceptance_length
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 12, 16)
 DEFAULT_REPEATS = 3
 DEFAULT_MIN_DURATION_S = 10.0
+# The shared prefix of `--shared-prefix-tokens`: this sentence repeated in a system message before every prompt.
+SHARED_PREFIX_SENTENCE = "Shared instructions: answer accurately, keep units consistent and show every step. "
+# Prefix-cache counters (tokens), vLLM's names first; a `_total` suffix (prometheus_client's) is accepted.
+PREFIX_COUNTER_NAMES = ("vllm:prefix_cache_{}", "dflash_prefix_cache_{}", "dflash:prefix_cache_{}")
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{[^}]*\})?\s+(\S+)")  # a Prometheus sample: name, value
+
+
+def metrics_url(base_url: str) -> str:
+    """The server's Prometheus endpoint: /metrics at the root of an OpenAI base URL (.../v1)."""
+    root = base_url.rstrip("/")
+    return (root[: -len("/v1")] if root.endswith("/v1") else root) + "/metrics"
+
+
+def parse_prefix_counters(text: str) -> dict[str, float] | None:
+    """{"hits", "queries"} of a Prometheus text page (summed over label sets); None when it has neither."""
+    families: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m is None:  # comments, blank lines
+            continue
+        try:
+            value = float(m.group(2))
+        except ValueError:
+            continue
+        name = m.group(1).removesuffix("_total")
+        families[name] = families.get(name, 0.0) + value
+    out = {}
+    for kind in ("hits", "queries"):
+        found = next((families[n.format(kind)] for n in PREFIX_COUNTER_NAMES if n.format(kind) in families), None)
+        if found is None:
+            return None
+        out[kind] = found
+    return out
+
+
+def read_prefix_counters(base_url: str, timeout: float = 10.0) -> dict[str, float] | None:
+    """The server's prefix-cache counters now; None when it has no /metrics or no such counters."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(metrics_url(base_url), timeout=timeout) as resp:
+            return parse_prefix_counters(resp.read().decode("utf-8", "replace"))
+    except (OSError, ValueError):
+        return None
+
+
+def prefix_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any]:
+    """Prefix-cache hits and queries (tokens) between two readings, and the hit rate (null without counters)."""
+    if before is None or after is None:
+        return {"hits": None, "queries": None, "hit_rate": None}
+    hits, queries = after["hits"] - before["hits"], after["queries"] - before["queries"]
+    return {"hits": int(hits), "queries": int(queries), "hit_rate": hits / queries if queries > 0 else None}
+
+
+def with_prefix(prompt: Prompt, text: str) -> Prompt:
+    """The prompt behind a system message `text` (joined to its own system message, if it has one)."""
+    msgs = [dict(m) for m in prompt.messages]
+    if msgs and msgs[0]["role"] == "system":
+        msgs[0]["content"] = text + "\n\n" + msgs[0]["content"]
+    else:
+        msgs.insert(0, {"role": "system", "content": text})
+    return Prompt(msgs, prompt.source)
+
+
+async def _shared_prefix(client: Any, model: str, tokens: int) -> tuple[str, int]:
+    """(a text of about `tokens` tokens as a system message, its measured prompt tokens), sized with the server's
+    own token counts (usage.prompt_tokens of 1-token completions)."""
+    async def count(repeats: int) -> int:
+        r = await client.chat.completions.create(
+            model=model, max_tokens=1, temperature=0,
+            messages=[{"role": "system", "content": SHARED_PREFIX_SENTENCE * repeats},
+                      {"role": "user", "content": "Hi"}])
+        return int(r.usage.prompt_tokens)
+
+    one, eleven = await count(1), await count(11)
+    per = max((eleven - one) / 10, 1e-9)
+    repeats = max(1, round(tokens / per))
+    return SHARED_PREFIX_SENTENCE * repeats, round(repeats * per)
 
 
 def _itl_samples(chunk_times: list[float], tokens: int) -> list[float]:
@@ -162,8 +241,10 @@ async def _serve_async(
     progress: bool,
     repeats: int = 1,
     min_duration: float = 0.0,
-) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
-    """(model id, its /models entry, the levels' results): a warm-up request, then each level in rounds."""
+    shared_prefix_tokens: int = 0,
+) -> tuple[str, dict[str, Any], list[dict[str, Any]], int | None]:
+    """(model id, its /models entry, the levels' results, the shared prefix's measured tokens): a warm-up request,
+    then each level in rounds, the server's prefix-cache counters read before and after each level."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=0)
@@ -181,6 +262,13 @@ async def _serve_async(
                 raise BenchError(f"{base_url}/models lists no model; pass --model")
             model = str(entries[0]["id"])
         info = next((e for e in entries if e.get("id") == model), {"id": model})
+        prefix_tokens = None
+        if shared_prefix_tokens > 0:
+            try:
+                text, prefix_tokens = await _shared_prefix(client, model, shared_prefix_tokens)
+            except openai.APIError as exc:
+                raise BenchError(f"sizing the shared prefix: {type(exc).__name__}: {exc}") from None
+            prompts = [with_prefix(p, text) for p in prompts]
 
         warm = await _stream_request(
             client, model, prompts[0].messages, min(max_tokens, 8), temperature, top_p, seed
@@ -212,6 +300,7 @@ async def _serve_async(
                 results: list[dict[str, Any]] = []
                 rounds: list[dict[str, Any]] = []
                 elapsed = 0.0
+                counters = await asyncio.to_thread(read_prefix_counters, base_url)
                 # rounds until both minimums are met; every round sends the same requests
                 while len(rounds) < repeats or elapsed < min_duration:
                     if len(rounds) >= repeats:
@@ -224,11 +313,13 @@ async def _serve_async(
                     results += batch
                     rounds.append(_round_result(batch, took))
                 levels.append(_level_result(c, results, elapsed, rounds))
+                levels[-1]["prefix_cache"] = prefix_delta(
+                    counters, await asyncio.to_thread(read_prefix_counters, base_url))
         finally:
             bar.close()
     finally:
         await client.close()
-    return model, info, levels
+    return model, info, levels, prefix_tokens
 
 
 def compare_levels(result: dict[str, Any], baseline: dict[str, Any], baseline_file: str) -> dict[str, Any]:
@@ -305,12 +396,14 @@ def run_serve(
     progress: bool = True,
     repeats: int = DEFAULT_REPEATS,
     min_duration: float = DEFAULT_MIN_DURATION_S,
+    shared_prefix_tokens: int = 0,
 ) -> dict[str, Any]:
     """The concurrency sweep against an OpenAI-compatible server; the `serve` result (without the header).
 
     Each level runs rounds of its requests until it has run at least `repeats` rounds and `min_duration`
-    seconds."""
-    model, info, levels = asyncio.run(
+    seconds. `shared_prefix_tokens`: every prompt starts with the same system message of about that many tokens;
+    each level reports the server's prefix-cache hit rate over its rounds (`prefix_cache`, from /metrics)."""
+    model, info, levels, prefix_tokens = asyncio.run(
         _serve_async(
             base_url,
             api_key,
@@ -326,6 +419,7 @@ def run_serve(
             progress,
             repeats,
             min_duration,
+            shared_prefix_tokens,
         )
     )
     config = {
@@ -340,6 +434,8 @@ def run_serve(
         "num_prompts": num_prompts,
         "repeats": repeats,
         "min_duration_s": min_duration,
+        "shared_prefix_tokens": shared_prefix_tokens,
+        "shared_prefix_prompt_tokens": prefix_tokens,  # the shared text's tokens, by the server's counts
     }
     return {
         "environment": environment(),
@@ -349,3 +445,25 @@ def run_serve(
         "levels": levels,
         "comparison": None,
     }
+
+
+def format_prefix_cache(result: dict[str, Any]) -> str:
+    """A line per level with the prefix-cache hit rate beside tok/s ('' when the server reports no counters and
+    no shared prefix was asked for)."""
+    cfg = result["config"]
+    levels = [lv for lv in result["levels"] if lv.get("prefix_cache")]
+    if not cfg.get("shared_prefix_tokens") and all(lv["prefix_cache"]["hit_rate"] is None for lv in levels):
+        return ""
+    head = (f"shared prefix: {cfg.get('shared_prefix_prompt_tokens')} tokens before every prompt"
+            if cfg.get("shared_prefix_tokens") else "no shared prefix")
+    rows = []
+    for lv in levels:
+        pc = lv["prefix_cache"]
+        if pc["hits"] is None:
+            rate = "n/a (no prefix-cache counters at /metrics)"
+        elif pc["hit_rate"] is None:
+            rate = "n/a (no lookups: prefix caching off?)"
+        else:
+            rate = f"{100 * pc['hit_rate']:.1f}% ({pc['hits']}/{pc['queries']} tokens)"
+        rows.append(f"  c={lv['concurrency']}: {lv['output_tokens_per_s']:.1f} out tok/s, prefix cache hit rate {rate}")
+    return "\n".join([f"{head}; the server's prefix cache over each level:", *rows])

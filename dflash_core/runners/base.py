@@ -6,8 +6,12 @@ Invariants every implementation keeps (docs/architecture.md explains them):
 - A target forward at positions `start ..` may be given only `start <= cache length`.
 - The feature of target layer i is transformers' hidden state i + 1 (the last layer's comes after the final
   norm), concatenated over the draft's `layer_ids`.
-- Slot-indexed caches are indexed by the request's slot from the engine's `SlotPool`; a runner never allocates
+- Slot-indexed state is indexed by the request's slot from the engine's `SlotPool`; a runner never allocates
   slots itself.
+- Paged caches (the native target, the batched DFlash drafter) share ONE block-id space handed out by the engine:
+  position p of a request lives at offset p % kv_block of block `blocks[p // kv_block]` of its block table, the
+  same list object for its target cache and its draft state (grown in place by the engine). Block 0 is the null
+  block: padding rows write there and no request owns it.
 """
 
 from __future__ import annotations
@@ -41,8 +45,13 @@ class TargetRunner(ABC):
 
     Attributes every runner sets: `backend` (its name), `config` (the model's text config), `device`, `dtype`,
     `vocab_size`, `num_layers`, `hidden_size`, `max_position_embeddings`, `layer_ids` (target layers whose
-    hidden states are the draft's features), `max_slots` (slot-indexed cache rows, None when caches are
-    per-request and unbounded) and `max_len` (positions a slot holds, None when unbounded).
+    hidden states are the draft's features), `max_slots` (concurrent requests, None when caches are per-request and
+    unbounded) and `max_len` (the longest position + 1 a request may reach, None when unbounded).
+
+    A paged runner also sets `kv_block_size` (positions per KV block; None on runners that are not paged),
+    `num_blocks` (blocks of its KV tensors, the null block 0 included: the engine's block pool is sized from it),
+    `kv_bytes_per_block` and `prefix_cacheable` (whether a request may start from cached blocks: False where state
+    outside the blocks, a hybrid's recurrent state, is not checkpointed).
     """
 
     backend: ClassVar[str]
@@ -56,6 +65,9 @@ class TargetRunner(ABC):
     layer_ids: list[int]
     max_slots: int | None
     max_len: int | None
+    kv_block_size: int | None = None
+    num_blocks: int | None = None
+    prefix_cacheable: bool = False
 
     @property
     def pads_rows(self) -> bool:
@@ -74,8 +86,10 @@ class TargetRunner(ABC):
         """The output head [V, H] (the draft shares it)."""
 
     @abstractmethod
-    def new_cache(self, slot: int) -> Any:
-        """An empty cache for the request holding `slot`."""
+    def new_cache(self, slot: int, blocks: list[int] | None = None, cached: int = 0) -> Any:
+        """A cache for the request holding `slot`. Paged runners: `blocks` is its block table (the engine's list,
+        grown in place before each forward; None: the slot's own fixed run of blocks, valid only when `num_blocks`
+        is the default) and `cached` the leading positions already in those blocks (a prefix-cache hit)."""
 
     @abstractmethod
     def crop(self, cache: Any, length: int) -> None:
@@ -126,11 +140,23 @@ class Drafter(ABC):
     """
 
     block_size: int
-    max_slots: int | None = None  # rows of a slot-indexed cache (None: per-request state, no limit)
+    max_slots: int | None = None  # concurrent requests of a batched drafter (None: per-request state, no limit)
+    # whether a request's state may start from cached blocks (`new_state(cached=...)`): the engine enables prefix
+    # caching only when the target and the drafter both can
+    prefix_cacheable: bool = False
 
     @abstractmethod
-    def new_state(self, slot: int, prompt_token_ids: list[int]) -> Any:
-        """Per-request state for the request holding `slot` (slot-indexed caches use that row)."""
+    def new_state(
+        self, slot: int, prompt_token_ids: list[int], blocks: list[int] | None = None, cached: int = 0
+    ) -> Any:
+        """Per-request state for the request holding `slot`. A paged drafter keeps its context rows in `blocks`, the
+        request's block table (the same list as its target cache's; None: the slot's own fixed run of blocks), of
+        which the first `cached` positions already hold them (a prefix-cache hit); other drafters ignore both."""
+
+    def context_written(self, state: Any) -> int:
+        """Leading positions whose context rows are in the drafter's shared (paged) cache: the engine enters a full
+        block in the prefix index only once both models' rows of it are written. 0: nothing shareable."""
+        return 0
 
     @abstractmethod
     def extend_context(self, state: Any, features: torch.Tensor) -> None:

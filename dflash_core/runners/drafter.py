@@ -5,39 +5,59 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from dflash_core.compile import StaticShapes, kv_bucket, timed_warm_up
-from dflash_core.draft import DFlashDraft, DraftKVCache, SlotDraftCache
+from dflash_core.draft import DFlashDraft, DraftKVCache, PagedBatch, PagedDraftCache
+from dflash_core.kv import blocks_for
 from dflash_core.runners.base import Drafter, DraftRequest, Proposal, TargetRunner
+from dflash_core.transfer import HostToDevice, to_host
 
 log = logging.getLogger("dflash.drafter")
+
+DEFAULT_KV_BLOCK = 16  # the KV block of a target runner that is not paged (as `--kv-block-size`'s default)
+
+
+def paged_layout(target: TargetRunner, max_slots: int, max_len: int) -> tuple[int, int]:
+    """(kv_block, num_blocks) of the target's block-id space. A runner that is not paged (no `kv_block_size`)
+    gets the native runner's default: blocks of 16, `max_slots` requests of `max_len` positions, plus the null
+    block."""
+    kv_block = getattr(target, "kv_block_size", None)
+    num_blocks = getattr(target, "num_blocks", None) if kv_block is not None else None
+    kv_block = int(kv_block or DEFAULT_KV_BLOCK)
+    if num_blocks is None:
+        num_blocks = max_slots * blocks_for(max_len, kv_block) + 1
+    return kv_block, int(num_blocks)
 
 
 @dataclass
 class _DFlashState:
-    slot: int  # the request's slot: its row of the shared slot cache (batched drafter)
+    slot: int  # the request's slot (its fixed run of blocks when the engine gives no block table)
     cache: DraftKVCache | None = None  # per-request cache (unbatched drafter)
+    blocks: list[int] | None = None  # block table (paged drafter): the target cache's list, grown by the engine
     pending: list[torch.Tensor] = field(default_factory=list)  # target features not yet in the draft cache
-    written: int = 0  # positions before the pending ones: in the draft cache (or skipped, older than a window)
+    written: int = 0  # positions before the pending ones: in the draft cache (per-request: or skipped by a window)
 
 
 class DFlashDrafter(Drafter):
     """Drafter backed by a DFlash draft model sharing the target's embeddings and output head.
 
-    With `max_slots` the drafts of all requests run as ONE batched forward over a slot KV cache whose row is the
-    request's slot (the engine's SlotPool hands it out with the target's); without it, one forward per request
-    over a growing per-request cache. With a `window` N the draft sees only the last N context positions and
-    either cache holds at most N of them per request. A draft with a reduced vocabulary proposes target ids.
+    With `max_slots` the drafts of all requests run as ONE batched forward over a paged context cache in the
+    target's block-id space (`PagedDraftCache`): a request's draft rows live in the blocks of its block table, the
+    same list as its target cache's (block i has storage in both models' tensors), so a prefix-cache hit holds the
+    draft's rows too. Without it, one forward per request over a growing per-request cache. With a `window` N the
+    draft sees only the context positions >= p - N (paged: by visibility, gathering only the blocks the window
+    covers; per-request: a ring of N rows). A draft with a reduced vocabulary proposes target ids.
 
     Context features wait for the next proposal's forward, at most `block_size` rows of them (a verify commits no
     more): beyond that (a prefill chunk, a long run of plain steps) `extend_context` writes the older rows to the
     cache at once, one request and one chunk at a time, so a proposal never pads its batch to a long prompt.
 
-    With `static` (a batched drafter without a window) a proposal whose batch, block width and new context rows
-    fit the buckets runs a fixed-shape step (compiled: `dflash_core/compile.py`); shapes beyond the buckets run
-    eagerly.
+    With `static` (a batched drafter) a proposal whose batch, block width and new context rows fit the buckets
+    runs a fixed-shape step (compiled: `dflash_core/compile.py`) over block tables padded to a key bucket (with a
+    window: to the window's blocks, one key shape); shapes beyond the buckets run eagerly.
     """
 
     def __init__(
@@ -56,27 +76,51 @@ class DFlashDrafter(Drafter):
         self.target = target
         self.block_size = int(block_size or draft.block_size)
         self.mask_token_id = draft.mask_token_id
-        self.slots: SlotDraftCache | None = None
+        self.pages: PagedDraftCache | None = None
         self.max_slots = max_slots or None
         self.window = window
+        self.kv_block = self.num_blocks = self.blocks_per_request = 0
+        self.draft_bytes_per_block = 0
+        self._h2d = HostToDevice(target.device)
         if max_slots:
-            self.slots = SlotDraftCache(draft.cfg, max_slots, int(max_len), target.device, target.dtype, window)
-        # the static step needs the slot cache's fixed columns (a window's ring runs eagerly)
-        self.static = static if self.slots is not None and self.slots.window is None else None
+            self.max_len = int(max_len)  # type: ignore[arg-type]
+            self.kv_block, self.num_blocks = paged_layout(target, max_slots, self.max_len)
+            self.blocks_per_request = blocks_for(self.max_len, self.kv_block)
+            self.pages = PagedDraftCache(draft.cfg, self.num_blocks, self.kv_block, target.device, target.dtype)
+            self.draft_bytes_per_block = self.pages.bytes_per_block
+        self.prefix_cacheable = self.pages is not None  # a hit's draft rows are in its blocks
+        self.static = static if self.pages is not None else None
         self._step = None
         if self.static is not None:
-            assert self.slots is not None
-            for t in (*self.slots.k, *self.slots.v):
+            assert self.pages is not None
+            for t in (*self.pages.k, *self.pages.v):
                 torch._dynamo.mark_static_address(t)  # mutated in place by a CUDA graph
-            dims = {0: (0, 1), 1: (0, 1), 2: (0, 1), 3: (0, 1), 4: (0,), 5: (0,), 6: (0,), 7: (0,)}
+            dims = {0: (0, 1), 1: (0, 1), 2: (0, 1), 3: (0, 1), 4: (0, 1), 5: (0,), 6: (0,), 7: (0, 1)}
             self._step = self.static.wrap(self._static_forward, target.device, dynamic=dims)
 
-    def new_state(self, slot: int, prompt_token_ids: list[int]) -> _DFlashState:
-        if self.slots is not None:
-            if not 0 <= slot < self.slots.max_slots:
-                raise ValueError(f"slot {slot} outside the draft cache's {self.slots.max_slots} slots")
-            return _DFlashState(slot=slot)
-        return _DFlashState(slot=slot, cache=DraftKVCache(len(self.draft.layers), self.window))
+    def new_state(
+        self, slot: int, prompt_token_ids: list[int], blocks: list[int] | None = None, cached: int = 0
+    ) -> _DFlashState:
+        if self.pages is None:  # a block table is the target's business here; a cached prefix cannot be had
+            if cached:
+                raise ValueError("the per-request draft cache is not paged: it cannot start from cached positions")
+            return _DFlashState(slot=slot, cache=DraftKVCache(len(self.draft.layers), self.window))
+        if not 0 <= slot < int(self.max_slots or 0):
+            raise ValueError(f"slot {slot} outside the drafter's {self.max_slots} slots")
+        if blocks is None:
+            per = self.blocks_per_request
+            first = 1 + slot * per
+            if first + per > self.num_blocks:
+                raise ValueError(f"slot {slot}'s own blocks {first}..{first + per - 1} lie outside the "
+                                 f"{self.num_blocks} blocks: give the request's block table")
+            blocks = list(range(first, first + per))
+        if not 0 <= cached <= len(blocks) * self.kv_block:
+            raise ValueError(f"cached {cached} positions outside the block table's {len(blocks)} blocks")
+        return _DFlashState(slot=slot, blocks=blocks, written=cached)
+
+    def context_written(self, state: _DFlashState) -> int:
+        """Positions whose context rows are in the paged cache (0 for a per-request cache: never shared)."""
+        return state.written if self.pages is not None else 0
 
     def extend_context(self, state: _DFlashState, features: torch.Tensor) -> None:
         state.pending.append(features)
@@ -85,6 +129,21 @@ class DFlashDrafter(Drafter):
             # the next proposal keeps 1..block_size rows (its context bucket); the older ones are written now
             self._write_context(state, rows - (rows - 1) // self.block_size * self.block_size)
 
+    def _rows(self, blocks: list[int] | None, start: int, end: int) -> list[int]:
+        """The flat cache rows of positions start..end-1 through a block table."""
+        kb = self.kv_block
+        assert blocks is not None
+        if end > len(blocks) * kb:
+            raise ValueError(f"positions up to {end} need {blocks_for(end, kb)} blocks; the table has {len(blocks)}")
+        return [blocks[p // kb] * kb + p % kb for p in range(start, end)]
+
+    @staticmethod
+    def _table(blocks: list[int] | None, first: int, m: int) -> list[int]:
+        """Blocks first..first+m-1 of a table, 0 (the null block) past its end."""
+        assert blocks is not None
+        row = blocks[first : first + m]
+        return row + [0] * (m - len(row))
+
     @torch.inference_mode()
     def _write_context(self, state: _DFlashState, keep: int) -> None:
         """Write all but the last `keep` pending rows to the request's draft cache (their own forward, bounded by
@@ -92,26 +151,27 @@ class DFlashDrafter(Drafter):
         device, dtype = self.target.device, self.target.dtype
         feats = torch.cat(state.pending, dim=0)
         n, start = feats.shape[0] - keep, state.written
-        skip = 0  # rows older than the window as of the last pending one: no query will see them
-        if self.window is not None:
-            skip = n - min(n, max(0, self.window - keep))
-        ctx_pos = torch.arange(start + skip, start + n, device=device)[None]
         # the long-RoPE switch as for a proposal at the next position (the smallest block that will see them)
-        last = torch.tensor([start + feats.shape[0]], device=device)
-        if self.slots is not None:
-            cache, before = self.slots.batch([state.slot], ctx_pos, 0), None
+        last = start + feats.shape[0]
+        if self.pages is not None:  # every row: the pages hold them all, and a prefix hit may need them
+            rows, ctx_pos, last_t = self._h2d.send([self._rows(state.blocks, start, start + n)],
+                                                   [list(range(start, start + n))], [last])
+            self.draft.write_context(feats[None, :n].to(dtype), ctx_pos, self.pages.batch(rows, None), last_t)
         else:
             cache = state.cache
+            assert cache is not None
             before = cache.length
-        try:
-            if before is not None and skip:
+            # rows older than the window as of the last pending one: no query will see them
+            skip = 0 if self.window is None else n - min(n, max(0, self.window - keep))
+            try:
                 cache.skip(skip)
-            if n > skip:
-                self.draft.write_context(feats[None, skip:n].to(dtype), ctx_pos, cache, last)
-        except BaseException:
-            if before is not None:
+                if n > skip:
+                    pos = torch.arange(start + skip, start + n, device=device)[None]
+                    self.draft.write_context(feats[None, skip:n].to(dtype), pos, cache,
+                                             torch.tensor([last], device=device))
+            except BaseException:
                 cache.length = before
-            raise
+                raise
         state.pending = [feats[n:].clone()]
         state.written = start + n
 
@@ -123,152 +183,181 @@ class DFlashDrafter(Drafter):
         """Argmax proposals for each (state, last token, its position, how many), with their draft probabilities.
 
         Nothing is consumed unless the whole call succeeds: the pending context features stay pending and a
-        per-request cache keeps its length, so a failed call can be retried (the engine retries one by one).
+        per-request cache keeps its length, so a failed call can be retried (the engine retries one by one; the
+        paged cache is written by position, so a retry rewrites the same rows).
         """
-        device, dtype = self.target.device, self.target.dtype
-        if self.slots is None and len(items) > 1:  # per-request caches: one forward each
-            return [self.propose_scored([item])[0] for item in items]
-        b = len(items)
-        width = max(n for *_, n in items) + 1
+        if self.pages is None:  # per-request caches: one forward each
+            return [self._propose_single(item) for item in items]
         pending = [torch.cat(st.pending, dim=0) if st.pending else None for st, *_ in items]
-        skipped = 0  # context rows older than the window: never seen, so not computed (one request when per-request)
-        if self.window is not None:
-            skipped = sum(max(0, f.shape[0] - self.window) for f in pending if f is not None)
-            pending = [None if f is None else f[-self.window :] for f in pending]
         n_ctx = max((0 if f is None else f.shape[0]) for f in pending)
+        proposals = None
         if self._step is not None and n_ctx:
             proposals = self._propose_static(items, pending, n_ctx)
-            if proposals is not None:
-                for st, _, p, _ in items:
-                    st.pending.clear()
-                    st.written = p
-                return proposals
-        ctx = ctx_pos = None
-        positions = torch.tensor([p for _, _, p, _ in items], device=device)
-        if n_ctx:
-            feat_dim = next(f for f in pending if f is not None).shape[1]
-            ctx = torch.zeros(b, n_ctx, feat_dim, device=device, dtype=dtype)
-            # padding rows go to the slot cache's scratch column, which no query sees
-            scratch = self.slots.pad_position if self.slots is not None else 0
-            ctx_pos = torch.full((b, n_ctx), scratch, device=device, dtype=torch.long)
-            for r, f in enumerate(pending):
-                if f is not None:
-                    c = f.shape[0]
-                    ctx[r, :c] = f.to(dtype)
-                    ctx_pos[r, :c] = torch.arange(items[r][2] - c, items[r][2], device=device)
-        block = torch.full((b, width), self.mask_token_id, device=device, dtype=torch.long)
-        block[:, 0] = torch.tensor([last for _, last, _, _ in items], device=device)
-        block_pos = positions[:, None] + torch.arange(width, device=device)[None]
-        if self.slots is not None:
-            cache = self.slots.batch([st.slot for st, *_ in items], ctx_pos, int(positions.max()))
-            lens = dict(ctx_len=positions, block_len=torch.tensor([n + 1 for *_, n in items], device=device))
-            if self.window is not None:
-                lens["ctx_start"] = positions - self.window
-        else:
-            cache, lens = items[0][0].cache, {}
-        # The slot cache is written by position (a retry rewrites the same rows); a per-request cache appends.
-        rollback = cache.length if self.slots is None else None
-        try:
-            if rollback is not None and skipped:
-                cache.skip(skipped)
-            emb = self.draft.embed(block, self.target.embed_weight)
-            hidden = self.draft(emb, block_pos, ctx, ctx_pos, cache, **lens)
-            logits = self.draft.logits(hidden[:, 1:], self.target.lm_head_weight)
-            prob, best_ids = torch.softmax(logits.float(), dim=-1).max(dim=-1)
-            # one transfer for tokens and probabilities together
-            both = torch.stack([self.draft.target_ids(best_ids).to(torch.float64), prob.to(torch.float64)]).tolist()
-            best, probs = [[int(t) for t in row] for row in both[0]], both[1]
-        except BaseException:
-            if rollback is not None:
-                cache.length = rollback
-            raise
+        if proposals is None:
+            proposals = self._propose_paged(items, pending, n_ctx)
         for st, _, p, _ in items:  # only now is the context in the draft cache
             st.pending.clear()
             st.written = p
-        return [Proposal(row[:n], pr[:n]) for row, pr, (*_, n) in zip(best, probs, items)]
+        return proposals
+
+    def _draft_argmax(
+        self, block: torch.Tensor, block_pos: torch.Tensor, ctx: torch.Tensor | None, ctx_pos: torch.Tensor | None,
+        cache: DraftKVCache | PagedBatch, lens: dict[str, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target ids and probabilities [b, w - 1] of the draft's argmax after each block's first token."""
+        emb = self.draft.embed(block, self.target.embed_weight)
+        hidden = self.draft(emb, block_pos, ctx, ctx_pos, cache, **lens)
+        logits = self.draft.logits(hidden[:, 1:], self.target.lm_head_weight)
+        prob, best = torch.softmax(logits.float(), dim=-1).max(dim=-1)
+        return self.draft.target_ids(best), prob
+
+    @staticmethod
+    def _read_back(best: torch.Tensor, prob: torch.Tensor, items: Sequence[DraftRequest]) -> list[Proposal]:
+        both = to_host(torch.stack([best.to(torch.float64), prob.to(torch.float64)]))  # one transfer
+        return [Proposal([int(t) for t in both[0][r][:n]], both[1][r][:n]) for r, (*_, n) in enumerate(items)]
+
+    def _propose_single(self, item: DraftRequest) -> Proposal:
+        """One request over its per-request cache (appended; rolled back on failure)."""
+        st, last, p, n = item
+        device, dtype = self.target.device, self.target.dtype
+        cache = st.cache
+        assert cache is not None
+        f = torch.cat(st.pending, dim=0) if st.pending else None
+        skipped = 0  # context rows older than the window: never seen, so not computed
+        if self.window is not None and f is not None:
+            skipped, f = max(0, f.shape[0] - self.window), f[-self.window :]
+        ctx = ctx_pos = None
+        if f is not None and f.shape[0]:
+            ctx, ctx_pos = f[None].to(dtype), torch.arange(p - f.shape[0], p, device=device)[None]
+        block = torch.full((1, n + 1), self.mask_token_id, device=device, dtype=torch.long)
+        block[0, 0] = last
+        block_pos = torch.arange(p, p + n + 1, device=device)[None]
+        rollback = cache.length
+        try:
+            cache.skip(skipped)
+            proposal = self._read_back(*self._draft_argmax(block, block_pos, ctx, ctx_pos, cache, {}), [item])[0]
+        except BaseException:
+            cache.length = rollback
+            raise
+        st.pending.clear()
+        st.written = p
+        return proposal
+
+    def _padded_inputs(
+        self, items: Sequence[DraftRequest], pending: list[torch.Tensor | None], bb: int, wb: int, cb: int
+    ) -> tuple[torch.Tensor, list[list[Any]]]:
+        """Context features [bb, cb, F] and the integer inputs (block, block_pos, ctx_pos, ctx_rows, block_len) of
+        the items padded to bb rows, blocks of wb and cb context rows: padding rows write the null block's row 0
+        and see only their block."""
+        feat_dim = next(f for f in pending if f is not None).shape[1] if cb else 0
+        ctx = torch.zeros(bb, cb, feat_dim, device=self.target.device, dtype=self.target.dtype)
+        ctx_pos, rows = [[0] * cb for _ in range(bb)], [[0] * cb for _ in range(bb)]
+        block = [[self.mask_token_id] * wb for _ in range(bb)]
+        block_pos, block_len = [list(range(wb)) for _ in range(bb)], [1] * bb
+        for r, ((st, last, p, n), f) in enumerate(zip(items, pending)):
+            if f is not None and f.shape[0]:
+                c = f.shape[0]
+                ctx[r, :c] = f.to(ctx.dtype)
+                ctx_pos[r][:c] = range(p - c, p)
+                rows[r][:c] = self._rows(st.blocks, p - c, p)
+            block[r][0] = last
+            block_pos[r] = list(range(p, p + wb))
+            block_len[r] = n + 1
+        return ctx, [block, block_pos, ctx_pos, rows, block_len]
+
+    def _propose_paged(
+        self, items: Sequence[DraftRequest], pending: list[torch.Tensor | None], n_ctx: int
+    ) -> list[Proposal]:
+        """The eager batched proposal: each row gathers the blocks its keys (its window's) lie in."""
+        kb, b = self.kv_block, len(items)
+        ctx, ints = self._padded_inputs(items, pending, b, max(n for *_, n in items) + 1, n_ctx)
+        first = [0] * b  # each row's first gathered block
+        if self.window is not None:
+            first = [max(0, p - self.window) // kb for _, _, p, _ in items]
+        m = max(1, max(blocks_for(p, kb) - f for (_, _, p, _), f in zip(items, first)))
+        tables = [self._table(st.blocks, f, m) for (st, *_), f in zip(items, first)]
+        block, block_pos, ctx_pos, rows, block_len, table, base = self._h2d.send(*ints, tables, first)
+        lens = dict(ctx_len=block_pos[:, 0], block_len=block_len)
+        if self.window is not None:
+            lens["ctx_start"] = block_pos[:, 0] - self.window
+        cache = self.pages.batch(rows if n_ctx else None, table, base if self.window is not None else None)
+        return self._read_back(*self._draft_argmax(block, block_pos, ctx if n_ctx else None,
+                                                   ctx_pos if n_ctx else None, cache, lens), items)
 
     # ---- the static step ----
     def _static_forward(
         self, block: torch.Tensor, block_pos: torch.Tensor, ctx: torch.Tensor, ctx_pos: torch.Tensor,
-        slots: torch.Tensor, ctx_len: torch.Tensor, block_len: torch.Tensor, key_pos: torch.Tensor,
+        ctx_rows: torch.Tensor, block_len: torch.Tensor, base: torch.Tensor, table: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The padded proposal: block ids / positions [b, w], new context features [b, c, F] at ctx_pos [b, c],
-        slots, ctx_len, block_len [b], key_pos [L] (the key bucket). Target ids and probabilities [b, w - 1]."""
-        assert self.slots is not None
-        cache = self.slots.batch(slots, ctx_pos, key_pos.shape[0])
-        emb = self.draft.embed(block, self.target.embed_weight)
-        hidden = self.draft(emb, block_pos, ctx, ctx_pos, cache, ctx_len=ctx_len, block_len=block_len)
-        logits = self.draft.logits(hidden[:, 1:], self.target.lm_head_weight)
-        prob, best = torch.softmax(logits.float(), dim=-1).max(dim=-1)
-        return self.draft.target_ids(best), prob
+        """The padded proposal: block ids / positions [b, w], new context features [b, c, F] at ctx_pos [b, c]
+        written to ctx_rows [b, c], block_len [b], block tables [b, M] (M blocks: the key bucket, or the window's)
+        whose first column is block `base` [b] of the request. Target ids and probabilities [b, w - 1]. A row's
+        context length is its block's first position."""
+        assert self.pages is not None
+        lens = dict(ctx_len=block_pos[:, 0], block_len=block_len)
+        if self.window is not None:
+            lens["ctx_start"] = block_pos[:, 0] - self.window
+        cache = self.pages.batch(ctx_rows, table, base if self.window is not None else None)
+        return self._draft_argmax(block, block_pos, ctx, ctx_pos, cache, lens)
 
     def _propose_static(
         self, items: Sequence[DraftRequest], pending: list[torch.Tensor | None], n_ctx: int
     ) -> list[Proposal] | None:
         """The items through the static step, or None when they fit no bucket (the eager forward runs them)."""
-        assert self.static is not None and self.slots is not None
+        assert self.static is not None
         bb = self.static.batch_bucket(len(items))
         wb = self.static.width_bucket(max(n for *_, n in items) + 1)
         cb = self.static.width_bucket(n_ctx)
         if bb is None or wb is None or cb is None:
             return None
-        device, dtype = self.target.device, self.target.dtype
-        feat_dim = next(f for f in pending if f is not None).shape[1]
-        ctx = torch.zeros(bb, cb, feat_dim, device=device, dtype=dtype)
-        pad = self.slots.pad_position  # padding context rows go to the scratch column, which no query sees
-        ctx_pos = [[pad] * cb for _ in range(bb)]
-        block = [[self.mask_token_id] * wb for _ in range(bb)]
-        block_pos = [list(range(wb)) for _ in range(bb)]
-        slots = [items[0][0].slot] * bb  # padding rows write only the scratch column of the first row's slot
-        ctx_len, block_len = [0] * bb, [1] * bb
-        for r, ((st, last, p, n), f) in enumerate(zip(items, pending)):
-            if f is not None:
-                c = f.shape[0]
-                ctx[r, :c] = f.to(dtype)
-                ctx_pos[r][:c] = range(p - c, p)
-            block[r][0] = last
-            block_pos[r] = list(range(p, p + wb))
-            slots[r], ctx_len[r], block_len[r] = st.slot, p, n + 1
-        top = max(p for _, _, p, _ in items)
+        ctx, ints = self._padded_inputs(items, pending, bb, wb, cb)
+        first = [0] * bb  # each row's first gathered block (padding rows: 0)
+        if self.window is None:
+            m = self._key_blocks(max(p for _, _, p, _ in items))
+        else:
+            m = self._key_blocks(0)
+            first[: len(items)] = [max(0, p - self.window) // self.kv_block for _, _, p, _ in items]
+        tables = [self._table(st.blocks, f, m) for (st, *_), f in zip(items, first)] + [[0] * m] * (bb - len(items))
         self.static.calls[(bb, wb)] += 1
-        best, prob = self._run_static(block, block_pos, ctx, ctx_pos, slots, ctx_len, block_len, top)
-        both = torch.stack([best.to(torch.float64), prob.to(torch.float64)]).tolist()  # one transfer
-        return [Proposal([int(t) for t in both[0][r][:n]], both[1][r][:n]) for r, (*_, n) in enumerate(items)]
+        return self._read_back(*self._run_static(ctx, [*ints, first], tables), items)
+
+    def _key_blocks(self, top: int) -> int:
+        """Blocks a static step gathers per row: those of the key bucket for context lengths up to `top`, or with
+        a window N, (N - 1) // kv_block + 2 whatever `top` (positions p - N .. p - 1 span no more blocks)."""
+        if self.window is not None:
+            return (self.window - 1) // self.kv_block + 2
+        return blocks_for(kv_bucket(top, self.blocks_per_request * self.kv_block), self.kv_block)
 
     def _run_static(
-        self, block: list[list[int]], block_pos: list[list[int]], ctx: torch.Tensor, ctx_pos: list[list[int]],
-        slots: list[int], ctx_len: list[int], block_len: list[int], top: int,
+        self, ctx: torch.Tensor, ints: list[list[Any]], tables: list[list[int]]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self._step is not None and self.slots is not None
-        dev = self.target.device
-        # context keys are at positions < top <= max_len: a key bucket never spans the scratch column, so never the
-        # cache's columns (a whole-columns slice, contiguous, would be a graph of its own)
-        key_pos = torch.arange(kv_bucket(top, self.slots.scratch), device=dev)
-        t = [torch.tensor(x, device=dev) for x in (block, block_pos)]
-        rest = [torch.tensor(x, device=dev) for x in (ctx_pos, slots, ctx_len, block_len)]
-        return self._step(t[0], t[1], ctx, *rest, key_pos)
+        assert self._step is not None
+        # one host-to-device copy; the tables last, so that no other input's offset in it depends on the key bucket
+        block, block_pos, ctx_pos, rows, block_len, base, table = self._h2d.send(*ints, tables)
+        return self._step(block, block_pos, ctx, ctx_pos, rows, block_len, base, table)
 
     @torch.inference_mode()
     def warm_up(self) -> float:
         """Compile every (batch, width, context width) bucket, and on CUDA record the graph of each at every key
-        bucket (`StaticShapes.warm_up_keys`); padding only (the scratch column), so no slot's context changes.
+        bucket (`StaticShapes.warm_up_keys`); padding only (the null block), so no request's context changes.
         Returns the seconds it took."""
-        if self.static is None or self.slots is None:
+        if self.static is None:
             return 0.0
-        st, pad = self.static, self.slots.pad_position
+        st = self.static
         feat_dim = len(self.draft.cfg.target_layer_ids) * self.draft.cfg.hidden_size
         dev, dtype = self.target.device, self.target.dtype
+        keys, calls = st.warm_up_keys(dev, self.blocks_per_request * self.kv_block)
+        key_blocks = sorted({self._key_blocks(kv) for kv in keys})  # a window: one
 
-        keys, calls = st.warm_up_keys(dev, self.slots.scratch)
-
-        def run(bb: int, wb: int, cb: int, kv: int) -> None:
+        def run(bb: int, wb: int, cb: int, m: int) -> None:
             ctx = torch.zeros(bb, cb, feat_dim, device=dev, dtype=dtype)
-            self._run_static([[self.mask_token_id] * wb] * bb, [list(range(wb))] * bb, ctx, [[pad] * cb] * bb,
-                             [0] * bb, [0] * bb, [1] * bb, kv)
+            ints = [[[self.mask_token_id] * wb] * bb, [list(range(wb))] * bb, [[0] * cb] * bb, [[0] * cb] * bb,
+                    [1] * bb, [0] * bb]
+            self._run_static(ctx, ints, [[0] * m] * bb)
 
         widths = [w for w in st.widths if w >= 2]  # a block is the last token and at least one proposal
-        runs = [(lambda bb=bb, wb=wb, cb=cb, kv=kv: run(bb, wb, cb, kv)) for bb in st.batch_sizes for wb in widths
-                for cb in st.widths for kv in keys]
+        runs = [(lambda bb=bb, wb=wb, cb=cb, m=m: run(bb, wb, cb, m)) for bb in st.batch_sizes for wb in widths
+                for cb in st.widths for m in key_blocks]
         seconds = timed_warm_up("draft", runs, log, calls)
         st.calls.clear()
         return seconds

@@ -3,7 +3,9 @@
 Three of every four layers are Gated DeltaNet (linear attention): a short causal convolution over the projected
 q/k/v channels, then a gated delta-rule recurrence whose state is a `[heads, d_k, d_v]` matrix per request. Each
 slot holds, per linear layer, the convolution window (the last `kernel - 1` inputs) and the recurrent state; the
-full-attention layers use the slot KV cache of `NativeTarget`.
+full-attention layers use the paged KV cache of `NativeTarget` (per layer `[num_blocks * kv_block, kv_heads, d]`,
+through each request's block table). The recurrent state of a prefix is not checkpointed, so a request cannot
+start from another's blocks (`prefix_cacheable` False: `new_cache` takes `cached=0` only).
 
 Rollback. A recurrent state cannot be cropped by length. While a forward runs, each linear layer records per row
 the state and window it started from and the per-token inputs of the recurrence (keys, values, decays, betas
@@ -20,7 +22,6 @@ holds its state twice (live, and the copy its last forward recorded for rollback
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,8 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_core.compat import chunk_gated_delta_rule
 from dflash_core.layers import apply_rope
-from dflash_core.runners.native import Batch, NativeTarget, Rope, Slot, supports
+from dflash_core.runners.native import DEFAULT_KV_BLOCK, Batch, NativeTarget, Rope, Slot, supports
 
 HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 _L2_EPS = 1e-6
@@ -84,18 +86,22 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 
 class HybridTarget(NativeTarget):
-    """Batched forward of a hybrid target: full-attention layers over the slot KV cache, Gated DeltaNet layers over
+    """Batched forward of a hybrid target: full-attention layers over the paged KV cache, Gated DeltaNet layers over
     slot-indexed convolution windows and recurrent states, with exact rollback (see the module docstring)."""
 
     ragged = False  # the Gated DeltaNet mixers run per row over [b, n]
+    prefix_cacheable = False  # the recurrent state after a prefix is not kept: a prefix hit could not resume it
 
     model_types = HYBRID_MODEL_TYPES
 
-    def __init__(self, model: nn.Module, layer_ids: list[int] | None, max_slots: int, max_len: int) -> None:
+    def __init__(
+        self, model: nn.Module, layer_ids: list[int] | None, max_slots: int, max_len: int,
+        num_blocks: int | None = None, kv_block: int = DEFAULT_KV_BLOCK,
+    ) -> None:
         reason = hybrid_unsupported(model)
         if reason is not None:
             raise ValueError(f"the native backend does not support {reason}")
-        super().__init__(model, layer_ids, max_slots, max_len)
+        super().__init__(model, layer_ids, max_slots, max_len, num_blocks=num_blocks, kv_block=kv_block)
 
     def _allocate(self) -> None:
         types = list(self.config.layer_types)
@@ -103,7 +109,7 @@ class HybridTarget(NativeTarget):
         linear = [li for li, t in enumerate(types) if t == "linear_attention"]
         self.kv_index = {li: j for j, li in enumerate(attn)}
         self.linear_index = {li: j for j, li in enumerate(linear)}
-        self.k_cache, self.v_cache = self._kv_tensors(len(attn), self.max_len)  # per full-attention layer
+        self.k_cache, self.v_cache = self._kv_tensors(len(attn))  # per full-attention layer
         la = self.layers[linear[0]].linear_attn if linear else None
         conv_dim, kernel = (la.conv_dim, la.conv_kernel_size) if la is not None else (0, 1)
         hv, dk, dv = (la.num_v_heads, la.head_k_dim, la.head_v_dim) if la is not None else (0, 0, 0)
@@ -115,16 +121,18 @@ class HybridTarget(NativeTarget):
         self.rec_backup = torch.zeros_like(self.rec_state)
         # transformers' chunked delta rule (its prefill): taken from the layer's own modeling module
         self._chunk_rule: Callable[..., Any] | None = (
-            vars(sys.modules[type(la).__module__])["torch_chunk_gated_delta_rule"] if la is not None else None)
+            chunk_gated_delta_rule(la) if la is not None else None)
 
     # ---- slots ----
-    def new_cache(self, slot: int) -> HybridSlot:
-        """The request's rows: empty KV, zero convolution windows and recurrent states."""
-        if not 0 <= slot < self.max_slots:
-            raise ValueError(f"slot {slot} outside the cache's {self.max_slots} slots")
+    def new_cache(self, slot: int, blocks: list[int] | None = None, cached: int = 0) -> HybridSlot:
+        """The request's cache: block table `blocks` (as `NativeTarget.new_cache`), zero convolution windows and
+        recurrent states; `cached` must be 0 (no prefix-cache hits: the states of a prefix are not kept)."""
+        if cached:
+            raise ValueError("the hybrid runner cannot start from cached positions (prefix_cacheable is False)")
+        _, table = self._paging(slot, blocks, 0)
         self.conv_state[:, slot] = 0
         self.rec_state[:, slot] = 0
-        return HybridSlot(slot)
+        return HybridSlot(slot, blocks=table)
 
     @torch.inference_mode()
     def crop(self, cache: HybridSlot, length: int) -> None:
