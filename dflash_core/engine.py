@@ -35,7 +35,6 @@ from dflash_core.sampling import (
     token_logprobs,
 )
 from dflash_core.scheduler import Chunk, Scheduler
-from dflash_core.slots import SlotPool
 from dflash_core.speculation import StepCosts, WidthPolicy
 from dflash_core.stats import RequestStats
 from dflash_core.timing import StepClock, device_timer
@@ -87,10 +86,6 @@ class Engine:
         self.policy = WidthPolicy(self.block_size, speculation, padded=target.pads_rows)
         self.pace = DecodePace()  # decode step times, the speedup estimate
         self.clock = StepClock(device_timer(target.device))  # every cost sample: device time, read after a sync
-
-    @property
-    def slots(self) -> SlotPool:
-        return self.kv.slots
 
     def kv_stats(self) -> KVStats | None:
         """Block pool usage, prefix-cache queries and hits (tokens) and preemptions; None when not paged."""
@@ -173,6 +168,8 @@ class Engine:
         fresh.costs = self.policy.costs
         self.policy = fresh
         self.pace = DecodePace()
+        if self.kv.pool is not None:
+            self.kv.pool.reset_counters()  # the metrics count clients' requests, not the warm-up's
 
     def estimated_speedup(self) -> float | None:
         """Committed tokens per second of recent decode steps over what plain steps of the same batch would give,
@@ -204,13 +201,15 @@ class Engine:
 
     def _step(self) -> list[StepOutput]:
         """`step`'s work (`warm_up` runs it directly: a test gate wrapped around `step` must not see it)."""
-        plan = self.scheduler.schedule(self._prefill_room())
+        sched = self.scheduler  # blocks for the verify rows first (preempting while short); admission gets the rest
+        self.memory.make_room([r for r in sched.running if not r.aborted], [*sched.running, *sched.prefilling],
+                              self._preempt)
+        plan = sched.schedule(self._prefill_room())
         outputs: list[StepOutput] = []
         for req in plan.aborted:
             self._emit(req, StepOutput(req.id, [], finish_reason=FINISH_ABORT), outputs)
-        decode = self.memory.make_room(plan.decode, self.scheduler.running, self._preempt) if plan.decode else []
-        if decode:
-            for req, out in self._decode_batch(decode, plan.verify_budget):
+        if plan.decode:
+            for req, out in self._decode_batch(plan.decode, plan.verify_budget):
                 self._emit(req, out, outputs)
         if plan.prefill:
             for req, out in self._prefill_batch(plan.prefill):

@@ -34,6 +34,9 @@ class EngineRequest:
     prefilled: int = 0  # tokens of `prefill_tokens` in the target cache (chunked prefill)
     # what a prefill computes: the prompt; after a preemption, the prompt and the output but its last token
     prefill_tokens: list[int] = field(default_factory=list)
+    # digests of its leading full blocks (the prefix-cache lookup's), kept between admission tries: its prefill
+    # tokens only ever grow at the end (a preemption's recompute adds output), so they stay valid
+    block_digests: list[bytes] = field(default_factory=list)
     spec: SpecState | None = None  # the width policy's history of this request
     drafted: bool = False  # it drafted in the current step
     processor: LogitsProcessor | None = None  # penalties, logit_bias, min_tokens, grammar mask (None: none)

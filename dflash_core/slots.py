@@ -1,10 +1,10 @@
-"""The slot pool: the one free-list of KV-cache slots.
+"""The slot pool: the cap on running requests (`--max-num-seqs`).
 
-A running request holds ONE slot index from admission (its prefill) to its end. The index names its rows in
-every slot-indexed cache at once: the native target's KV cache and the batched drafter's context cache are both
-`[..., slots, ...]` and a request owns the same row in each. The engine takes the slot before it creates either
-cache and gives it back only after both are dropped, so the two can never be handed to different requests, and a
-request waits (not fails) while no slot is free.
+An admitted request holds ONE slot index from admission to its end (or a preemption). KV memory itself is paged
+(`dflash_core/kv/`); the slot names what is still per request: a hybrid target's recurrent and convolution state,
+and, for runners built without an engine's block pool (tests, benches), the request's fixed run of blocks. The
+engine takes the slot before it creates the caches and gives it back only after they are dropped, and a request
+waits (not fails) while no slot is free.
 """
 
 from __future__ import annotations

@@ -370,7 +370,7 @@ class Worker:
             return SpecSummary(), 0
         try:
             stats = self._engine.stats(r.rid)
-            return stats.summary(), int(getattr(stats, "cached_tokens", 0))
+            return stats.summary(), stats.cached_tokens
         except Exception:
             log.warning("engine.stats(%s) failed", r.rid, exc_info=True)
             return SpecSummary(), 0

@@ -174,6 +174,6 @@ def test_attention_layers_on_shuffled_pages_and_no_prefix_hits(model: torch.nn.M
     for a, b in zip(*logits, strict=True):
         assert torch.equal(a, b)
     target = runner(model, slots=2)
-    assert not target.prefix_cacheable and target.kv_block_size == 16
+    assert target.prefix_cacheable and target.kv_block_size == 16
     with pytest.raises(ValueError, match="cached"):
         target.new_cache(0, None, cached=16)

@@ -40,3 +40,45 @@ def test_growth_and_failure_leave_the_table_whole() -> None:
     assert not kv.grow(a, 24) and len(a.blocks) == 4  # 6 blocks needed, 5 usable: nothing taken
     kv.release(a)
     assert kv.pool.num_free() == 5 and kv.slots.num_free() == 4
+
+
+def test_a_request_retried_every_step_is_hashed_once(monkeypatch) -> None:  # noqa: ANN001
+    """A head-of-line request that cannot be admitted keeps its block digests (`memo`): retries hash nothing new,
+    and a failed try takes no block (cached blocks stay evictable, in their order)."""
+    import dflash_core.kv.pool as pool_mod
+
+    digests = []
+    real = pool_mod.block_digest
+    monkeypatch.setattr(pool_mod, "block_digest", lambda p, t: digests.append(1) or real(p, t))
+    kv = _manager(blocks=40, reserve=4)
+    tokens = list(range(100, 100 + 4 * 20))
+    a = kv.admit(tokens)
+    kv.register(a, tokens, len(tokens))
+    kv.release(a)  # 20 cached, evictable blocks
+    held = kv.pool.allocate(kv.pool.num_free() - 20)  # room for the hit only: the request cannot be admitted
+    digests.clear()
+    memo: list[bytes] = []
+    for _ in range(5):
+        assert kv.admit([*tokens, 1], memo=memo) is None
+    assert len(digests) == 20 and len(memo) == 20
+    assert kv.pool.num_free() == 20  # the cached blocks are still evictable: the tries took none
+    kv.pool.free(held)
+    b = kv.admit([*tokens, 1], memo=memo)
+    assert b is not None and b.cached == 80 and len(digests) == 20
+
+
+def test_a_chain_after_a_dead_link_is_marked_once() -> None:
+    """A block whose cached parent was evicted ends its chain: the blocks after it are marked when registered, so
+    a long request's later registrations do not walk back over them again."""
+    pool = BlockPool(8, 4)
+    tokens = list(range(100, 132))
+    a = pool.allocate(1)
+    pool.register(a, tokens, 1)
+    b = pool.allocate(1)
+    pool.register(b, tokens, 1)  # equal content: b chains through a's cached block
+    pool.free(a)
+    pool.reset_prefix_cache()  # a's block leaves the index
+    b += pool.allocate(3)
+    pool.register(b, tokens, 2)
+    pool.register(b, tokens, 4)
+    assert all(blk in pool._link for blk in b[:4])

@@ -51,7 +51,7 @@ def test_generate_chat_is_identical_to_plain_decoding(llm: LLM, plain: LLM) -> N
         assert g.spec.num_drafts > 0 and g.spec.mean_acceptance_length > 1.0
         assert g.prompt_token_ids == llm.encode(CHATS[spec.index(g)])
     assert all(g.spec.num_drafts == 0 for g in ref)
-    assert llm.engine.num_running() == 0 and llm.engine.slots.num_free() == 4
+    assert llm.engine.num_running() == 0 and llm.engine.kv.slots.num_free() == 4
 
 
 def test_prompt_forms_agree(llm: LLM) -> None:
@@ -94,7 +94,7 @@ def test_stop_string_and_early_exit_free_the_slots(llm: LLM) -> None:
     stream = llm.stream(CHATS, SamplingParams(max_tokens=200))
     next(stream)
     stream.close()  # the caller stops early: what still runs is aborted
-    assert llm.engine.num_running() == 0 and llm.engine.slots.num_free() == 4
+    assert llm.engine.num_running() == 0 and llm.engine.kv.slots.num_free() == 4
 
 
 def test_an_open_stream_blocks_other_calls(llm: LLM) -> None:

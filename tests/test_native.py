@@ -74,7 +74,7 @@ def test_engine_on_native_backend_is_lossless(model):
     outs = run_all(engine)
     for rid, ref in ids.items():
         assert tokens(outs[rid]) == ref
-    assert engine.slots.capacity == 2 and engine.slots.num_free() == 2  # every slot back in the pool
+    assert engine.kv.slots.capacity == 2 and engine.kv.slots.num_free() == 2  # every slot back in the pool
 
 
 def test_load_models_native_backend(tmp_path):

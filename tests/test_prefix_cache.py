@@ -8,6 +8,8 @@ machine's load.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from dflash_core.chat import encode_chat
@@ -22,7 +24,8 @@ KV_BLOCK = 16
 SYSTEM = " ".join(f"Rule {i}: convert units carefully, show the arithmetic, and answer briefly." for i in range(60))
 
 
-def _engine(num_blocks: int, max_slots: int, prefix: bool = True, draft: bool = True) -> Engine:
+def _engine(num_blocks: int, max_slots: int, prefix: bool = True, draft: bool = True,
+            prefill_chunk: int | None = None) -> Engine:
     """An engine over the demo pair's weights with its own block pool of `num_blocks` blocks."""
     models, _ = demo()
     base = models.engine.target
@@ -32,7 +35,7 @@ def _engine(num_blocks: int, max_slots: int, prefix: bool = True, draft: bool = 
     if draft:
         drafter = DFlashDrafter(models.engine.drafter.draft, target, max_slots=max_slots, max_len=base.max_len)
     return Engine(target, drafter, eos_token_ids=models.engine.eos_token_ids, speculation="fixed",
-                  enable_prefix_caching=prefix)
+                  enable_prefix_caching=prefix, prefill_chunk=prefill_chunk)
 
 
 def _prompt(messages: list[dict[str, str]]) -> list[int]:
@@ -84,6 +87,7 @@ def test_preemption_loses_nothing(seeded: bool) -> None:
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     assert tight.kv_stats().preemptions > 0 and roomy.kv_stats().preemptions == 0
     assert sum(o.stats.preemptions for o in outs) == tight.kv_stats().preemptions
+    assert tight.kv_stats().usage == 0 and tight.kv.slots.num_free() == 6  # every block and slot given back
     if not seeded:
         plain = run_to_completion(_engine(400, 6, draft=False), prompts, params)
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
@@ -107,3 +111,35 @@ def test_four_times_the_requests_of_the_slot_layout() -> None:
     assert peak >= 4 * slots
     plain = run_to_completion(_engine(budget, 16, draft=False), prompts, params)
     assert [outputs[i] for i in sorted(outputs)] == [o.token_ids for o in plain]
+
+
+def test_the_newest_holder_gives_its_blocks_back() -> None:
+    """An older request decoding while a newer one is still prefilling (in chunks) when blocks run out: the newer
+    one is preempted, even mid-prefill, never the older; both outputs equal a roomy run, and the recompute of the
+    newer one's own blocks is not counted as prefix-cache hits."""
+    r = random.Random(1)
+    vocab = demo()[0].engine.target.vocab_size
+    first = [r.randrange(5, vocab) for _ in range(300)]
+    second = [r.randrange(5, vocab) for _ in range(400)]
+    long, short = SamplingParams(max_tokens=200, ignore_eos=True), SamplingParams(max_tokens=4, ignore_eos=True)
+    tight = _engine(48, 4, prefill_chunk=8)
+    a = tight.add_request(first, long)
+    while not tight.stats(a).generated_tokens:
+        tight.step()
+    b = tight.add_request(second, short)
+    outs: dict[int, list[int]] = {a: [], b: []}
+    while tight.has_unfinished():
+        for out in tight.step():
+            outs[out.request_id].extend(out.new_token_ids)
+    assert tight.stats(a).preemptions == 0 and tight.stats(b).preemptions >= 1
+    assert tight.kv_stats().prefix_hits == 0  # the prompts share nothing: the recompute's own hits do not count
+    ref = run_to_completion(_engine(400, 4), [first, second], [long, short])
+    first_token = tight.stats(a).generated_tokens - len(outs[a])  # the prefill's token came before the loop
+    assert outs[a] == ref[0].token_ids[first_token:] and outs[b] == ref[1].token_ids
+
+
+def test_warm_up_requests_are_not_counted() -> None:
+    engine = _engine(64, 2)
+    engine.warm_up()
+    stats = engine.kv_stats()
+    assert (stats.prefix_queries, stats.prefix_hits, stats.preemptions) == (0, 0, 0)

@@ -251,24 +251,34 @@ def test_engine_zero_width_steps_keep_the_output(demo) -> None:
     assert len(plain_steps) > len(steps) // 2
 
 
-def test_engine_budget_is_shared_across_requests(demo) -> None:
-    """A verify budget of 20 tokens for 4 running requests: every step's rows are at most 4 wide (4 x 4 <= 20),
-    and the output is still exactly plain decoding's."""
+def test_engine_budget_is_shared_across_requests(demo, monkeypatch) -> None:
+    """A step budget of 20 tokens for 4 requests: every verify forward's rows x its width stays within what the
+    budget leaves (20 minus the step's prefill tokens, at least a row each), rows are cut to width 4 while four
+    run, and the output is still exactly plain decoding's."""
     llm, prompts, ref = demo
     engine = llm.engine
     engine.policy = WidthPolicy(engine.block_size, "fixed")
     engine.scheduler.max_num_batched_tokens = 20
     # the configured chunk, not one sized from measured step times: which requests decode together, and so the
     # widths, must not depend on the machine's load
-    engine._prefill_room = lambda: None  # type: ignore[method-assign]
+    monkeypatch.setattr(engine, "_prefill_room", lambda: None)
+    verifies: list[tuple[int, int]] = []  # (rows, width) of every verify forward
+    forward = engine.target.forward_batch
+
+    def recorded(rows, features, last_only=False):  # noqa: ANN001, ANN202
+        if not last_only:  # a verify (prefill chunks ask for the last row only)
+            verifies.append((len(rows), max(len(r[0]) for r in rows)))
+        return forward(rows, features, last_only)
+
+    monkeypatch.setattr(engine.target, "forward_batch", recorded)
     try:
         outs, steps = run_steps(engine, prompts)
     finally:
         engine.scheduler.max_num_batched_tokens = 2048
-        del engine._prefill_room
     assert outs == ref
-    assert max(s.verify_width for s in steps) <= 4
-    assert any(s.verify_width == 4 for s in steps)
+    assert verifies and all(rows * width <= 20 for rows, width in verifies), verifies
+    assert (4, 4) in verifies  # four rows at once: cut from the block of 16 to 4
+    assert all(s.num_draft_tokens == s.verify_width - 1 for s in steps)
 
 
 def test_position_uniforms_on_the_device_equal_the_host_draws() -> None:
@@ -349,7 +359,7 @@ def test_warm_up_measures_costs_and_leaves_nothing_behind(demo) -> None:
     engine = llm.engine
     engine.warm_up()
     assert engine.policy.costs.target.ready and engine.policy.costs.draft.ready
-    assert engine.num_running() == 0 and engine.slots.num_free() == engine.slots.capacity
+    assert engine.num_running() == 0 and engine.kv.slots.num_free() == engine.kv.slots.capacity
     assert engine.policy.mean_committed == (engine.block_size + 1) / 2 and engine.policy.calibration == 1.0
     outs, _ = run_steps(engine, prompts)
     assert outs == ref

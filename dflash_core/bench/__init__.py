@@ -53,9 +53,9 @@
     ``--no-speculative``) prints and records the speedup at each concurrency level.
 
 ``dflash-bench memory PRESET.yaml ...``
-    The GPU memory the native backend allocates at start-up for YAML presets: weights (target + the draft's
-    own), the target's slot KV cache (``max_running_requests x (max_model_len + B + 1)`` rows) and the draft's
-    (one row more per slot), as a Markdown table. Nothing is loaded or downloaded: the presets' models have
+    The GPU memory of YAML presets on the native backend: weights (target + the draft's own), and the KV block
+    pool beside them per card (target and draft pages), in tokens and in requests of ``max_model_len`` and of
+    2,048 tokens that run at once, as a Markdown table. Nothing is loaded or downloaded: the presets' models have
     built-in shapes (``MODEL_SHAPES``), local folders are read from their ``config.json``.
 
 Prompt sets: ``chat``, ``math``, ``code`` (32 each, shipped in ``dflash_core/prompts``), ``all`` (the three

@@ -200,9 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     mem = sub.add_parser(
         "memory",
-        help="GPU memory of presets: weights + target KV + draft KV",
-        description="GPU memory the native backend allocates at start-up for YAML presets (configs/*.yaml): "
-        "weights, the target's slot KV cache and the draft's. Activations and the CUDA context come on top. "
+        help="GPU memory of presets: weights and the KV pool per card",
+        description="GPU memory of YAML presets (configs/*.yaml) on the native backend: weights, and the KV "
+        "block pool (target and draft pages) that fits beside them per card, in tokens and in requests that run "
+        "at once. Activations and the CUDA context are reserved as the server reserves them. "
         "Model shapes: built in for the presets' hub ids, else read from a local folder's config.json.",
         formatter_class=HelpFormatter,
     )

@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 ROOT_DIGEST = bytes(16)  # the parent digest of a sequence's first block
@@ -98,6 +98,9 @@ class BlockPool:
         self._live: dict[int, int] = {}  # serial -> block id, for registered blocks
         self._link: dict[int, tuple[bytes, int] | None] = {}  # held block -> (digest, serial of holder) or _DEAD
         self._serial = 0
+        # told the serial of every registration that leaves the index (evicted or reset): what hangs on a cached
+        # block's content (a hybrid target's state checkpoint) is dropped with it
+        self.on_uncache: Callable[[int], None] | None = None
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -152,10 +155,14 @@ class BlockPool:
 
     # ---- prefix cache -----------------------------------------------------------------------------------------
 
-    def match_prefix(self, token_ids: Sequence[int], max_blocks: int | None = None, *, count: bool = True) -> list[int]:
+    def match_prefix(
+        self, token_ids: Sequence[int], max_blocks: int | None = None, *, count: bool = True, take: bool = True,
+        memo: list[bytes] | None = None,
+    ) -> list[int]:
         """The longest run of cached full blocks from the start of `token_ids` (at most `max_blocks`), each taken
-        (+1 ref). Counts `len(token_ids)` queried tokens and the matched blocks' tokens as hits (`count=False`:
-        neither; see `record_query`)."""
+        (+1 ref; `take=False`: only looked up, see `take`). Counts `len(token_ids)` queried tokens and the matched
+        blocks' tokens as hits (`count=False`: neither; see `record_query`). `memo`: the caller's list of this
+        sequence's block digests, reused and extended (a request retried every step is hashed once)."""
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
@@ -168,7 +175,12 @@ class BlockPool:
         parent, parent_serial = ROOT_DIGEST, 0
         for i in range(n):
             tokens = raw[i * step : (i + 1) * step]
-            digest = block_digest(parent, tokens)
+            if memo is not None and i < len(memo):
+                digest = memo[i]
+            else:
+                digest = block_digest(parent, tokens)
+                if memo is not None:
+                    memo.append(digest)
             block = self._index.get(digest)
             if block is None:
                 break
@@ -177,13 +189,22 @@ class BlockPool:
                 break  # a digest collision: never hand out another sequence's KV
             out.append(block)
             parent, parent_serial = digest, entry.serial
-        for block in out:
-            if self._ref[block] == 0:
-                del self._evictable[block]
-            self._ref[block] += 1
+        if take:
+            self.take(out)
         if count:
             self.record_query(len(token_ids), len(out) * bs)
         return out
+
+    def take(self, blocks: Sequence[int]) -> None:
+        """Hold cached blocks a lookup found (+1 ref each; an unreferenced one stops being evictable)."""
+        for block in blocks:
+            if self._ref[block] == 0:
+                del self._evictable[block]
+            self._ref[block] += 1
+
+    def num_evictable(self, blocks: Sequence[int]) -> int:
+        """How many of these blocks nobody holds (taking them would take them out of `num_free`)."""
+        return sum(self._ref[b] == 0 for b in blocks)
 
     def record_query(self, queried: int, hits: int) -> None:
         """Count one prefix lookup in tokens; for a caller that matched with `count=False` and counts only the
@@ -210,7 +231,9 @@ class BlockPool:
             parent, parent_serial = ROOT_DIGEST, 0
         else:
             prev = link[blocks[start - 1]]
-            if prev is _DEAD:
+            if prev is _DEAD:  # nothing after a dead link can be cached: mark them, so no later call walks back
+                for b in blocks[start:num_full]:
+                    link[b] = _DEAD
                 return
             parent, parent_serial = prev
         step = bs * 8
@@ -243,6 +266,10 @@ class BlockPool:
                 link[block] = (digest, entry.serial)  # equal content cached first: keep it, chain through it
                 parent, parent_serial = digest, entry.serial
 
+    def reset_counters(self) -> None:
+        """Zero the prefix-cache query and hit counters (after the engine's warm-up requests)."""
+        self.prefix_queries = self.prefix_hits = 0
+
     def reset_prefix_cache(self) -> int:
         """Drop every cached block no request holds (vLLM's /reset_prefix_cache); returns how many."""
         dropped = len(self._evictable)
@@ -255,6 +282,14 @@ class BlockPool:
     def num_cached(self) -> int:
         """Blocks in the prefix index (held or evictable)."""
         return len(self._cached)
+
+    def serial(self, block: int) -> int | None:
+        """The registration serial of the cached content `block` holds (its own, or that of the equal block
+        cached first), while that content is in the index; None for a block not (or no longer) registered."""
+        link = self._link.get(block)
+        if link is None:
+            return None
+        return link[1] if link[1] in self._live else None
 
     def stats(self, preemptions: int = 0) -> KVStats:
         return KVStats(
@@ -271,3 +306,5 @@ class BlockPool:
         del self._index[entry.digest]
         del self._live[entry.serial]
         self._link.pop(block, None)
+        if self.on_uncache is not None:
+            self.on_uncache(entry.serial)

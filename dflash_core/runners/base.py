@@ -68,6 +68,12 @@ class TargetRunner(ABC):
     kv_block_size: int | None = None
     num_blocks: int | None = None
     prefix_cacheable: bool = False
+    # state outside the blocks (a hybrid's recurrent state): the checkpoints a prefix hit resumes from. A runner
+    # with such state sets `checkpoint_limits` (count, bytes) of the KV manager's store and `checkpoint_bytes`; the
+    # KV manager turns `checkpointing` on when prefix caching is on.
+    checkpoint_limits: tuple[int, int] | None = None
+    checkpoint_bytes: int = 0
+    checkpointing: bool = False
 
     @property
     def pads_rows(self) -> bool:
@@ -86,10 +92,16 @@ class TargetRunner(ABC):
         """The output head [V, H] (the draft shares it)."""
 
     @abstractmethod
-    def new_cache(self, slot: int, blocks: list[int] | None = None, cached: int = 0) -> Any:
+    def new_cache(self, slot: int, blocks: list[int] | None = None, cached: int = 0, state: Any = None) -> Any:
         """A cache for the request holding `slot`. Paged runners: `blocks` is its block table (the engine's list,
         grown in place before each forward; None: the slot's own fixed run of blocks, valid only when `num_blocks`
-        is the default) and `cached` the leading positions already in those blocks (a prefix-cache hit)."""
+        is the default) and `cached` the leading positions already in those blocks (a prefix-cache hit); `state`:
+        the checkpoint at `cached` (`checkpoint`), for runners with state outside the blocks."""
+
+    def checkpoint(self, cache: Any, position: int) -> Any:
+        """The request's state outside the blocks at `position` (a block boundary), for a later `new_cache(...,
+        state=)`; None when the runner has none there (runners whose state is their KV rows: always)."""
+        return None
 
     @abstractmethod
     def crop(self, cache: Any, length: int) -> None:

@@ -24,9 +24,8 @@ def paged_layout(target: TargetRunner, max_slots: int, max_len: int) -> tuple[in
     """(kv_block, num_blocks) of the target's block-id space. A runner that is not paged (no `kv_block_size`)
     gets the native runner's default: blocks of 16, `max_slots` requests of `max_len` positions, plus the null
     block."""
-    kv_block = getattr(target, "kv_block_size", None)
-    num_blocks = getattr(target, "num_blocks", None) if kv_block is not None else None
-    kv_block = int(kv_block or DEFAULT_KV_BLOCK)
+    kv_block = target.kv_block_size or DEFAULT_KV_BLOCK  # declared by TargetRunner: None when not paged
+    num_blocks = target.num_blocks if target.kv_block_size is not None else None
     if num_blocks is None:
         num_blocks = max_slots * blocks_for(max_len, kv_block) + 1
     return kv_block, int(num_blocks)

@@ -50,10 +50,12 @@ class HFTarget(TargetRunner):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.get_output_embeddings().weight
 
-    def new_cache(self, slot: int = 0, blocks: list[int] | None = None, cached: int = 0) -> DynamicCache:
+    def new_cache(
+        self, slot: int = 0, blocks: list[int] | None = None, cached: int = 0, state: Any = None
+    ) -> DynamicCache:
         """A fresh cache (the slot does not matter: each request has its own; not paged, so no blocks and no
         cached prefix)."""
-        if blocks is not None or cached:
+        if blocks is not None or cached or state is not None:
             raise ValueError("the hf backend's caches are not paged")
         return DynamicCache()
 

@@ -4,8 +4,17 @@ Three of every four layers are Gated DeltaNet (linear attention): a short causal
 q/k/v channels, then a gated delta-rule recurrence whose state is a `[heads, d_k, d_v]` matrix per request. Each
 slot holds, per linear layer, the convolution window (the last `kernel - 1` inputs) and the recurrent state; the
 full-attention layers use the paged KV cache of `NativeTarget` (per layer `[num_blocks * kv_block, kv_heads, d]`,
-through each request's block table). The recurrent state of a prefix is not checkpointed, so a request cannot
-start from another's blocks (`prefix_cacheable` False: `new_cache` takes `cached=0` only).
+through each request's block table).
+
+Prefix caching. The attention layers' pages are shared like any runner's; the linear layers' state after a prefix
+is a checkpoint (every linear layer's window and state, `checkpoint_bytes`), taken sparsely: with `checkpointing`
+on (the engine's KV manager turns it on when prefix caching is), every forward keeps, per row, the state at the
+LAST KV-block boundary inside it (captured in the recurrence's own loop, or by splitting a prefill's chunked rule
+at that boundary: no extra pass); once the tokens before it are committed (a crop keeps it only if it lies within
+the accepted prefix) it becomes one of the request's marks, the states at the last two block boundaries it passed.
+`checkpoint(cache, position)` hands a mark (or the live state, when it is exactly there) to the KV manager,
+which keeps a few such checkpoints per cached block (`dflash_core.kv.manager.CheckpointStore`); a prefix hit ends
+at a checkpointed block and `new_cache(slot, blocks, cached, state=...)` restores it into the slot.
 
 Rollback. A recurrent state cannot be cropped by length. While a forward runs, each linear layer records per row
 the state and window it started from and the per-token inputs of the recurrence (keys, values, decays, betas
@@ -18,6 +27,9 @@ Prefill uses transformers' chunked delta-rule function (as transformers' own pre
 steps use the token-by-token recurrence in torch (as transformers' own decode does without the fla / causal-conv1d
 kernels), so outputs match `generate` run with transformers' torch implementations. Memory: each running request
 holds its state twice (live, and the copy its last forward recorded for rollback); `dflash-bench memory` counts both.
+With checkpointing, a request also holds its marks (up to two more copies, and a third while a forward that passes
+a boundary is not yet accepted), and the KV manager's checkpoints take at most `checkpoint_limits` (by default one
+state per two slots, at least 4); neither is in `dflash-bench memory`'s arithmetic yet.
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ from dflash_core.runners.native import DEFAULT_KV_BLOCK, Batch, NativeTarget, Ro
 
 HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 _L2_EPS = 1e-6
+MARKS = 2  # block-boundary states a request keeps (see HybridSlot.marks)
 
 
 def hybrid_unsupported(model: nn.Module) -> str | None:
@@ -69,6 +82,13 @@ class HybridSlot(Slot):
     start: int = 0  # position of the last forward's first token
     state_end: int = 0  # the position the linear layers' windows and states have reached
     records: dict[int, _LayerRecord] = field(default_factory=dict)
+    # checkpointing: the windows and states (per linear layer) at the last block boundary inside the last forward,
+    # not committed yet (`pending`), and at the last MARKS committed block boundaries the request passed (`marks`,
+    # by position, oldest first; two: the draft's context rows may lag the committed tokens by up to a draft block,
+    # so the last boundary's block may never enter the prefix index, the one before it does)
+    pending_pos: int | None = None
+    pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    marks: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
 
 
 def _delta_step(
@@ -90,7 +110,8 @@ class HybridTarget(NativeTarget):
     slot-indexed convolution windows and recurrent states, with exact rollback (see the module docstring)."""
 
     ragged = False  # the Gated DeltaNet mixers run per row over [b, n]
-    prefix_cacheable = False  # the recurrent state after a prefix is not kept: a prefix hit could not resume it
+    prefix_cacheable = True  # a hit resumes from a state checkpoint at its last block (see the module docstring)
+    checkpointing = False  # keep each request's state at its last block boundary (the KV manager turns it on)
 
     model_types = HYBRID_MODEL_TYPES
 
@@ -102,6 +123,14 @@ class HybridTarget(NativeTarget):
         if reason is not None:
             raise ValueError(f"the native backend does not support {reason}")
         super().__init__(model, layer_ids, max_slots, max_len, num_blocks=num_blocks, kv_block=kv_block)
+        # one checkpoint: every linear layer's convolution window and recurrent state
+        self.checkpoint_bytes = self.conv_state[:, 0].nbytes + self.rec_state[:, 0].nbytes
+        # the KV manager's checkpoint store: one state per two slots (at least 4). A checkpoint pays when the
+        # next turn of a recently served conversation (or a preempted request) comes back while its blocks are
+        # still cached; each conversation needs one (its latest), so a count of the order of the running
+        # requests covers them, at a quarter of what the slots' live and rollback states already take.
+        count = max(4, self.max_slots // 2)
+        self.checkpoint_limits = (count, count * self.checkpoint_bytes)
 
     def _allocate(self) -> None:
         types = list(self.config.layer_types)
@@ -124,15 +153,49 @@ class HybridTarget(NativeTarget):
             chunk_gated_delta_rule(la) if la is not None else None)
 
     # ---- slots ----
-    def new_cache(self, slot: int, blocks: list[int] | None = None, cached: int = 0) -> HybridSlot:
-        """The request's cache: block table `blocks` (as `NativeTarget.new_cache`), zero convolution windows and
-        recurrent states; `cached` must be 0 (no prefix-cache hits: the states of a prefix are not kept)."""
-        if cached:
-            raise ValueError("the hybrid runner cannot start from cached positions (prefix_cacheable is False)")
-        _, table = self._paging(slot, blocks, 0)
-        self.conv_state[:, slot] = 0
-        self.rec_state[:, slot] = 0
-        return HybridSlot(slot, blocks=table)
+    def new_cache(
+        self, slot: int, blocks: list[int] | None = None, cached: int = 0,
+        state: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> HybridSlot:
+        """The request's cache: block table `blocks` (as `NativeTarget.new_cache`); zero convolution windows and
+        recurrent states, or with `cached` positions from the prefix cache, `state`: the checkpoint (from
+        `checkpoint`) at position `cached`, which a hit needs."""
+        if cached and state is None:
+            raise ValueError(f"a hybrid cache starting at cached={cached} needs the state checkpoint there")
+        cached, table = self._paging(slot, blocks, cached)
+        if state is None:
+            self.conv_state[:, slot] = 0
+            self.rec_state[:, slot] = 0
+        else:
+            conv, rec = state
+            self.conv_state[:, slot] = conv
+            self.rec_state[:, slot] = rec
+        return HybridSlot(slot, length=cached, blocks=table, start=cached, state_end=cached)
+
+    def checkpoint(self, cache: HybridSlot, position: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every linear layer's window and state after the first `position` tokens (`[L, C, K-1]`, `[L, Hv, dk,
+        dv]`, copies), for `new_cache(..., state=)`; None unless the cache holds them: `position` is one of the
+        last two committed block boundaries the request passed (its marks) or exactly where its live state is."""
+        self._settle(cache)
+        layers = len(self.linear_index)
+        mark = cache.marks.get(position)
+        if mark is not None:
+            return (torch.stack([mark[j][0] for j in range(layers)]),
+                    torch.stack([mark[j][1] for j in range(layers)]))
+        if position == cache.length == cache.state_end:
+            return self.conv_state[:, cache.index].clone(), self.rec_state[:, cache.index].clone()
+        return None
+
+    def _settle(self, cache: HybridSlot) -> None:
+        """The pending boundary state becomes a mark once the tokens before it are committed (the oldest of more
+        than MARKS is dropped)."""
+        if cache.pending_pos is None or cache.pending_pos > min(cache.length, cache.state_end):
+            return
+        if len(cache.pending) == len(self.linear_index):
+            cache.marks[cache.pending_pos] = cache.pending
+            while len(cache.marks) > MARKS:
+                del cache.marks[next(iter(cache.marks))]
+        cache.pending_pos, cache.pending = None, {}
 
     @torch.inference_mode()
     def crop(self, cache: HybridSlot, length: int) -> None:
@@ -147,6 +210,10 @@ class HybridTarget(NativeTarget):
         for j, rec in cache.records.items():
             self._restore(j, cache.index, rec, keep)
         cache.length = cache.state_end = length
+        if cache.pending_pos is not None and cache.pending_pos > length:  # a rejected proposal's boundary
+            cache.pending_pos, cache.pending = None, {}
+        for pos in [p for p in cache.marks if p > length]:
+            del cache.marks[pos]
 
     def _restore(self, j: int, slot: int, rec: _LayerRecord, keep: int) -> None:
         """Layer j's window and state after the first `keep` tokens of the recorded forward."""
@@ -168,8 +235,13 @@ class HybridTarget(NativeTarget):
     # ---- forward ----
     @torch.inference_mode()
     def forward_batch(self, rows: Sequence[Any], features: bool, last_only: bool = False) -> list[Any]:
-        for _, start, cache in rows:  # a new forward: new records
+        kvb = self.kv_block_size
+        for tokens, start, cache in rows:  # a new forward: new records
+            self._settle(cache)
             cache.start, cache.records = start, {}
+            cache.pending, cache.pending_pos = {}, None
+            if self.checkpointing and (start + len(tokens)) // kvb * kvb > start:  # it passes a block boundary
+                cache.pending_pos = (start + len(tokens)) // kvb * kvb
         return super().forward_batch(rows, features, last_only)
 
     def _mix(self, li: int, layer: nn.Module, x: torch.Tensor, batch: Batch, rope: Rope) -> torch.Tensor:
@@ -206,12 +278,27 @@ class HybridTarget(NativeTarget):
         k = k.reshape(b, n, -1, la.head_k_dim)
         v = v.reshape(b, n, -1, la.head_v_dim)
         state0 = self.rec_state[j, batch.slots]  # [b, Hv, dk, dv]
+        # checkpointing: the token count after which each row passes its last block boundary (None: it does not)
+        cuts = [None if c.pending_pos is None else c.pending_pos - s for _, s, c in batch.rows]
+        marks: dict[int, torch.Tensor] = {}
         if b == 1 and int(batch.rows[0][1]) == 0:  # a prefill: transformers' chunked rule, as its own prefill
-            core, state = self._chunk_rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=True,
-                                           use_qk_l2norm_in_kernel=True)
+            cut = cuts[0]
+            if cut is not None and cut < n:  # split at the boundary: the state there comes out of the first part
+                head, mid = self._chunk_rule(q[:, :cut], k[:, :cut], v[:, :cut], g=g[:, :cut], beta=beta[:, :cut],
+                                             initial_state=None, output_final_state=True,
+                                             use_qk_l2norm_in_kernel=True)
+                tail, state = self._chunk_rule(q[:, cut:], k[:, cut:], v[:, cut:], g=g[:, cut:], beta=beta[:, cut:],
+                                               initial_state=mid, output_final_state=True,
+                                               use_qk_l2norm_in_kernel=True)
+                core, marks[0] = torch.cat([head, tail], dim=1), mid[0]
+            else:
+                core, state = self._chunk_rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=True,
+                                               use_qk_l2norm_in_kernel=True)
+                if cut is not None:
+                    marks[0] = state[0]
             kf = vf = gf = bf = None
         else:
-            core, state, (kf, vf, gf, bf) = self._recurrent(q, k, v, g, beta, state0, batch)
+            core, state, (kf, vf, gf, bf) = self._recurrent(q, k, v, g, beta, state0, batch, cuts, marks)
         # the new window of each row: the last K-1 of [window ++ its real tokens' inputs]
         width = window.shape[-1]
         for r, (tokens, _, cache) in enumerate(batch.rows):
@@ -224,6 +311,9 @@ class HybridTarget(NativeTarget):
                 rec.key, rec.value = kf[r, :, :m].clone(), vf[r, :, :m].clone()
                 rec.decay, rec.beta = gf[r, :, :m].clone(), bf[r, :, :m].clone()
             cache.records[j] = rec
+            if r in marks:  # the window and state at the row's last block boundary (copies)
+                cut = cuts[r]
+                cache.pending[j] = (full[r, :, cut : cut + width].clone(), marks[r])
             self.conv_state[j, cache.index] = full[r, :, m : m + width]
             self.rec_state[j, cache.index] = state[r]
             cache.state_end = cache.start + m
@@ -242,10 +332,16 @@ class HybridTarget(NativeTarget):
 
     def _recurrent(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-        state: torch.Tensor, batch: Batch,
+        state: torch.Tensor, batch: Batch, cuts: Sequence[int | None] = (),
+        marks: dict[int, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
         """The token-by-token delta rule (transformers' decode path) over padded rows: a row's state stops at its
-        last real token. Returns the output [b, n, Hv, dv], the final states and the normalised inputs."""
+        last real token. Returns the output [b, n, Hv, dv], the final states and the normalised inputs; row r's
+        state after its first `cuts[r]` tokens goes to `marks[r]` (a copy)."""
+        at: dict[int, list[int]] = {}
+        for r, cut in enumerate(cuts):
+            if cut is not None and marks is not None:
+                at.setdefault(cut - 1, []).append(r)
         dtype, hk, hv = v.dtype, k.shape[2], v.shape[2]
         if hk != hv:  # each q/k head serves hv // hk consecutive value heads
             q, k = q.repeat_interleave(hv // hk, dim=2), k.repeat_interleave(hv // hk, dim=2)
@@ -258,4 +354,6 @@ class HybridTarget(NativeTarget):
             new = _delta_step(state, k[:, :, i], v[:, :, i], g[:, :, i], beta[:, :, i])
             out[:, :, i] = (new * q[:, :, i].unsqueeze(-1)).sum(dim=-2)
             state = torch.where(active[:, i, None, None, None], new, state)
+            for r in at.get(i, ()):
+                marks[r] = state[r].clone()
         return out.transpose(1, 2).to(dtype), state, (k, v, g, beta)

@@ -180,7 +180,7 @@ class NativeTarget(TargetRunner):
         return self.lm_head.weight
 
     # ---- caches ----
-    def new_cache(self, slot: int, blocks: list[int] | None = None, cached: int = 0) -> Slot:
+    def new_cache(self, slot: int, blocks: list[int] | None = None, cached: int = 0, state: Any = None) -> Slot:
         """The request's cache: slot `slot`, block table `blocks` (the engine's list, kept by reference and grown by
         the engine; None: the slot's own fixed run of blocks, only with the default num_blocks), its first `cached`
         positions already in the cache (a prefix-cache hit)."""
