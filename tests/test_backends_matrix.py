@@ -120,3 +120,33 @@ def test_greedy_identical_with_real_draft_and_exact_proposals(family, backend):
         assert tokens(outs[rid]) == refs[p][:n_tokens]
     assert_proposals_match_reference(model, draft, {p: tokens(outs[rid]) for rid, p in ids.items()},
                                      recorder.proposals)
+
+
+def test_greedy_identical_with_prefix_cache_and_preemption(family):
+    """The native runner of every family with a random DFlash draft, a block pool that one long request nearly
+    fills (requests are preempted and recomputed), and the same prompts twice (the second round starts from the
+    prefix cache, a hybrid from its state checkpoints): output exact each time."""
+    name, model, refs = family
+    if name in HF_ONLY:
+        return  # the hf backend has no block pool
+    cfg = DraftConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=model.config.vocab_size, num_target_layers=4,
+                      block_size=8, mask_token_id=3, max_position_embeddings=1024)
+    torch.manual_seed(1)
+    draft = DFlashDraft(cfg).eval()
+    runner, _ = native_runner(model)
+    # 20 usable blocks of 16: the 200-token prompt with its 40 tokens and a verify block needs 16 at the end
+    target = runner(model, cfg.target_layer_ids, max_slots=4, max_len=MAX_LEN, num_blocks=21)
+    engine = Engine(target, DFlashDrafter(draft, target, 8, max_slots=4, max_len=MAX_LEN), eos_token_ids=[])
+    for _ in range(2):
+        # the longest first: admitted with the room its prompt needs, it grows into what the others hold
+        ids = {engine.add_request(list(p), SamplingParams(max_tokens=NEW_TOKENS)): ref
+               for p, ref in sorted(refs.items(), key=lambda item: -len(item[0]))}
+        outs = run_all(engine)
+        for rid, ref in ids.items():
+            assert tokens(outs[rid]) == ref
+    stats = engine.kv_stats()
+    assert stats is not None and stats.preemptions > 0 and stats.usage == 0, stats
+    # a hybrid hits only where a state checkpoint survived this tiny pool's evictions (tests/test_hybrid_prefix.py
+    # tests its hits); the others' second round starts from cached blocks
+    assert stats.prefix_hits > 0 or name in HYBRIDS, stats
