@@ -85,6 +85,8 @@ def test_offline_tiny_pair(
             "--output-dir",
             str(tmp_path),
             "--no-progress",
+            "--speculation",
+            "fixed",  # drafts every step, whatever the machine's load (the histogram below needs drafts)
         ]
     )
     out = capsys.readouterr().out

@@ -10,12 +10,7 @@ the compiled one, without a compile's minutes).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
-
 import pytest
-import torch
 
 from dflash_core.compile import StaticShapes
 from dflash_core.engine import Engine
@@ -25,7 +20,7 @@ from dflash_core.runners.native import NativeTarget
 from dflash_core.sampling import SamplingParams
 from dflash_core.transfer import count_transfers
 from tests.demo_engines import demo, prompts
-from tests.test_transfers import SCHEMA
+from tests.test_transfers import SCHEMA, uncounted_copies
 
 CASES = {
     "greedy": dict(temperature=0.0),
@@ -33,34 +28,6 @@ CASES = {
     "penalties": dict(temperature=0.7, seed=3, presence_penalty=0.5, frequency_penalty=0.4, logit_bias={5: 2.0}),
     "grammar": dict(temperature=0.0, structured=StructuredOutput("json_schema", SCHEMA)),
 }
-
-
-@contextmanager
-def host_copies() -> Iterator[list[str]]:
-    """Host data put on a device outside `dflash_core.transfer` while the block runs: `torch.tensor` and
-    `torch.as_tensor` calls, and `Tensor.to` calls that change a tensor's device (a same-device `.to`, such as a
-    rotary module's `inv_freq.to(x.device)`, copies nothing)."""
-    calls: list[str] = []
-    tensor, as_tensor, to = torch.tensor, torch.as_tensor, torch.Tensor.to
-
-    def wrapped(name: str, fn: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            calls.append(name)
-            return fn(*args, **kwargs)
-        return call
-
-    def moved(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        out = to(self, *args, **kwargs)
-        if out.device != self.device:
-            calls.append(f"Tensor.to({out.device})")
-        return out
-
-    torch.tensor, torch.as_tensor = wrapped("torch.tensor", tensor), wrapped("torch.as_tensor", as_tensor)
-    torch.Tensor.to = moved  # type: ignore[method-assign]
-    try:
-        yield calls
-    finally:
-        torch.tensor, torch.as_tensor, torch.Tensor.to = tensor, as_tensor, to  # type: ignore[method-assign]
 
 
 def _engine(speculative: bool) -> Engine:
@@ -84,7 +51,7 @@ def test_a_decode_step_copies_once_per_forward_and_waits_only_for_results(specul
     seen = []
     while engine.has_unfinished():
         decoding = bool(engine.scheduler.running) and not engine.num_waiting() and not engine.scheduler.prefilling
-        with count_transfers() as counts, host_copies() as copies:
+        with count_transfers() as counts, uncounted_copies(every_to=False) as copies:
             engine.step()
         if decoding:  # a prefill forward (eager, ragged prompts) is not a decode step
             seen.append((counts.h2d, counts.d2h))

@@ -31,9 +31,10 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "requ
 
 
 @contextmanager
-def uncounted_copies() -> Iterator[list[str]]:
+def uncounted_copies(every_to: bool = True) -> Iterator[list[str]]:
     """Calls that would copy host data to a device outside `dflash_core.transfer` (torch.tensor, as_tensor,
-    Tensor.to with a device), while the block runs."""
+    Tensor.to with a device), while the block runs. `every_to` False: only a `Tensor.to` that changes the tensor's
+    device (code we do not own, such as a rotary module's `inv_freq.to(x.device)`, moves nothing)."""
     calls: list[str] = []
     tensor, as_tensor, to = torch.tensor, torch.as_tensor, torch.Tensor.to
 
@@ -44,9 +45,12 @@ def uncounted_copies() -> Iterator[list[str]]:
         return wrapper
 
     def to_device(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if "device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args):
+        out = to(self, *args, **kwargs)
+        if every_to and ("device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args)):
             calls.append("Tensor.to(device)")
-        return to(self, *args, **kwargs)
+        elif out.device != self.device:
+            calls.append(f"Tensor.to({out.device})")
+        return out
 
     torch.tensor, torch.as_tensor = counted("torch.tensor", tensor), counted("torch.as_tensor", as_tensor)
     torch.Tensor.to = to_device  # type: ignore[method-assign]

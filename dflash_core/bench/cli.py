@@ -118,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--block-size", type=int, help="block size B (default: the draft's)")
     off.add_argument("--backend", default="auto", choices=["auto", "native", "hf"],
                      help="target forward, as dflash-serve --backend")
+    off.add_argument("--speculation", default="adaptive", choices=["adaptive", "fixed"],
+                     help="the width policy, as dflash-serve --speculation (fixed: the full block every step)")
     off.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     off.add_argument(
         "--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16"
@@ -288,6 +290,7 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             progress=progress,
             dataset=args.dataset,
             threads=args.threads,
+            speculation=args.speculation,
         )
         result = {**header("offline", argv), **body}
         json_path = out_dir / "offline.json"

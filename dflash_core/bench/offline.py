@@ -133,6 +133,7 @@ def run_offline(
     progress: bool = True,
     dataset: str = "custom",
     threads: int | None = None,
+    speculation: str = "adaptive",
 ) -> dict[str, Any]:
     """Plain decoding and DFlash on the same target, interleaved prompt by prompt: the `offline` result
     without its header. Raises IdentityError when greedy outputs differ. No target: the demo pair. `threads`:
@@ -146,7 +147,7 @@ def run_offline(
     t0 = time.perf_counter()
     try:
         config = EngineConfig(target, draft, tokenizer, device=device, dtype=dtype, block_size=block_size,
-                              backend=backend, threads=threads)
+                              backend=backend, threads=threads, speculation=speculation)
         models = load_models(config)
     except (FileNotFoundError, ValueError) as exc:
         raise BenchError(f"cannot load the models: {exc}") from None
