@@ -51,6 +51,15 @@ def blocks_for(positions: int, block_size: int) -> int:
     return max(0, -(-positions // block_size))
 
 
+DEFAULT_KV_BLOCK = 16  # positions per KV block (`--kv-block-size`'s default)
+
+
+def slot_layout_blocks(max_slots: int, max_len: int, kv_block: int) -> int:
+    """Blocks of a runner built without an engine's pool: each slot a fixed run of `max_len` positions, after the
+    null block."""
+    return max_slots * blocks_for(max_len, kv_block) + 1
+
+
 class NoFreeBlocksError(RuntimeError):
     """Fewer blocks than asked can be had (free plus evictable); nothing was taken."""
 

@@ -11,13 +11,12 @@ import torch
 
 from dflash_core.compile import StaticShapes, kv_bucket, timed_warm_up
 from dflash_core.draft import DFlashDraft, DraftKVCache, PagedBatch, PagedDraftCache
-from dflash_core.kv import blocks_for
+from dflash_core.kv.pool import DEFAULT_KV_BLOCK, blocks_for, slot_layout_blocks
 from dflash_core.runners.base import Drafter, DraftRequest, Proposal, TargetRunner
 from dflash_core.transfer import HostToDevice, to_host
 
 log = logging.getLogger("dflash.drafter")
 
-DEFAULT_KV_BLOCK = 16  # the KV block of a target runner that is not paged (as `--kv-block-size`'s default)
 
 
 def paged_layout(target: TargetRunner, max_slots: int, max_len: int) -> tuple[int, int]:
@@ -27,7 +26,7 @@ def paged_layout(target: TargetRunner, max_slots: int, max_len: int) -> tuple[in
     kv_block = target.kv_block_size or DEFAULT_KV_BLOCK  # declared by TargetRunner: None when not paged
     num_blocks = target.num_blocks if target.kv_block_size is not None else None
     if num_blocks is None:
-        num_blocks = max_slots * blocks_for(max_len, kv_block) + 1
+        num_blocks = slot_layout_blocks(max_slots, max_len, kv_block)
     return kv_block, int(num_blocks)
 
 

@@ -43,8 +43,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_core.compat import chunk_gated_delta_rule
+from dflash_core.kv.pool import DEFAULT_KV_BLOCK
 from dflash_core.layers import apply_rope
-from dflash_core.runners.native import DEFAULT_KV_BLOCK, Batch, NativeTarget, Rope, Slot, supports
+from dflash_core.runners.native import Batch, NativeTarget, Rope, Slot, supports
 
 HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 _L2_EPS = 1e-6

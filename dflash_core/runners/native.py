@@ -32,13 +32,13 @@ from torch import nn
 from dflash_core.attention import PagedAttention, kv_rows, prepare, write_kv
 from dflash_core.compat import rotary_positions
 from dflash_core.compile import StaticShapes
+from dflash_core.kv.pool import DEFAULT_KV_BLOCK, blocks_for, slot_layout_blocks
 from dflash_core.layers import apply_rope
 from dflash_core.runners.base import TargetOutput, TargetRow, TargetRunner
 
 log = logging.getLogger("dflash.native")
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2", "qwen3_moe")
-DEFAULT_KV_BLOCK = 16
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [b, n, rotary dim]
 Rows = Sequence[TargetRow | tuple[list[int], int, Any]]
 
@@ -129,10 +129,11 @@ class NativeTarget(TargetRunner):
         if kv_block < 1:
             raise ValueError(f"kv_block must be at least 1 (got {kv_block})")
         self.kv_block_size = int(kv_block)
-        self.table_len = -(-self.max_len // kv_block)  # the blocks a request's table can reach
+        self.table_len = blocks_for(self.max_len, kv_block)  # the blocks a request's table can reach
         # default: each slot a fixed run of blocks after the null block (new_cache without blocks uses it)
         self.fixed_runs = num_blocks is None
-        self.num_blocks = self.max_slots * self.table_len + 1 if num_blocks is None else int(num_blocks)
+        self.num_blocks = (slot_layout_blocks(self.max_slots, self.max_len, kv_block) if num_blocks is None
+                           else int(num_blocks))
         if self.num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2, the null block and one more (got {self.num_blocks})")
         self.static = static
