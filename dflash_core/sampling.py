@@ -1,9 +1,14 @@
 """Sampling parameters, processed distributions and position-keyed sampling.
 
-Every sampled token is drawn by inverse CDF with a uniform number that depends only on (seed, position). The token
-at a position is then the same function of the target's distribution whether it was reached by plain decoding or
-by verifying a draft block, so a seeded request gives the same text with and without speculation, and a request's
-randomness never depends on what else runs.
+Every sampled token is a Gumbel-max draw (an exponential race) keyed by (seed, position, token id): with p the
+processed distribution of the row and E_i = -log u_i, where u_i in (0, 1) is a pure function of (seed, position, i)
+(`token_uniform`), the token is the argmax of p_i / E_i over the tokens with p_i > 0 (the same as the argmax of
+log p_i - log(-log u_i)); it follows p exactly. The token at a position is then the same function of the target's
+distribution whether it was reached by plain decoding or by verifying a draft block, so a seeded request gives the
+same text with and without speculation, and a request's randomness never depends on what else runs. Logits computed
+by another forward (another prefill chunk, a prefix-cache hit, a recompute, a verify block) differ by ~1e-6; the
+draw changes only when the two best perturbed scores are that close (probability ~1e-6 per token), where an
+inverse-CDF draw would flip whenever its uniform fell within ~1e-6 of any of the V cumulative boundaries.
 """
 
 from __future__ import annotations
@@ -110,13 +115,26 @@ def resolve_seed(seed: int | None) -> int:
     return random.getrandbits(63) if seed is None else int(seed) & _MASK64
 
 
-def position_uniform(seed: int, position: int) -> float:
-    """A uniform number in [0, 1) that depends only on (seed, position) (splitmix64)."""
-    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    z ^= z >> 31
-    return (z >> 11) / float(1 << 53)
+_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment and its finaliser's multipliers
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+
+def _mix_host(z: int) -> int:
+    """splitmix64's finaliser on a Python int (64 bits)."""
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
+    return z ^ (z >> 31)
+
+
+def token_uniform(seed: int, position: int, token: int) -> float:
+    """The uniform number in (0, 1) that the draw of `token` at `position` uses, a pure function of the three
+    (host reference of `token_uniforms`). key = mix(seed + (position + 1) * G) and h = mix(key + (token + 1) * G)
+    mod 2^64, with mix splitmix64's finaliser and G its increment; u = (h >> 12 + 1/2) / 2^52: the top 52 bits of
+    h, centred in their bin, so never 0 and never 1."""
+    key = _mix_host((seed + (position + 1) * _GOLDEN) & _MASK64)
+    h = _mix_host((key + (token + 1) * _GOLDEN) & _MASK64)
+    return ((h >> 11) | 1) / float(1 << 53)
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -159,34 +177,75 @@ def _signed(value: int) -> int:
 
 
 def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
-    return (z >> bits) & ((1 << (64 - bits)) - 1)
+    """Logical right shift of int64 bits (torch's >> is arithmetic), as a new tensor."""
+    return (z >> bits).bitwise_and_((1 << (64 - bits)) - 1)
 
 
-def position_uniforms(seed: int, first_position: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """`position_uniform(seed, first_position + i)` for i < n, computed on `device` (float64 [n]): the same
-    splitmix64 bits in int64 arithmetic, whose products wrap modulo 2^64 as the masked Python ones do."""
-    pos = torch.arange(first_position + 1, first_position + 1 + n, device=device, dtype=torch.int64)
-    z = pos * _signed(0x9E3779B97F4A7C15) + _signed(seed & _MASK64)
-    z = (z ^ _shr(z, 30)) * _signed(0xBF58476D1CE4E5B9)
-    z = (z ^ _shr(z, 27)) * _signed(0x94D049BB133111EB)
-    z = z ^ _shr(z, 31)
-    return _shr(z, 11).to(torch.float64) / float(1 << 53)
+def _mix_(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 bits, in place (the products wrap modulo 2^64 as the host's masked ones)."""
+    z ^= _shr(z, 30)
+    z *= _signed(_MIX1)
+    z ^= _shr(z, 27)
+    z *= _signed(_MIX2)
+    z ^= _shr(z, 31)
+    return z
+
+
+def _uniforms(keys: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """`token_uniform` of the tokens start .. stop - 1 for rows with keys int64 [R, 1] -> float64 [R, stop - start]."""
+    tokens = torch.arange(start + 1, stop + 1, device=keys.device, dtype=torch.int64) * _signed(_GOLDEN)
+    h = _mix_(keys + tokens)
+    # (h >> 12 + 1/2) / 2^52 = ((h >> 11) | 1) / 2^53: exact in float64 (53 bits), strictly inside (0, 1)
+    return _shr(h, 11).bitwise_or_(1) * torch.full((), 2.0 ** -53, dtype=torch.float64, device=h.device)
+
+
+def _keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Each row's key mix(seed + (position + 1) * G) (int64 [R] each -> [R, 1])."""
+    return _mix_((positions + 1) * _signed(_GOLDEN) + seeds)[:, None]
+
+
+def token_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """`token_uniform(seed, position, token)` for every row and every token < vocab: seeds and positions int64 [R]
+    (a seed as the int64 with its bits), on their device -> float64 [R, vocab], bit for bit the host's."""
+    return _uniforms(_keys(seeds, positions), 0, vocab)
+
+
+_CPU_SLICE = 1 << 16  # elements of [rows, V] per slice of a draw on the CPU: cache-resident, about twice as fast
+
+
+def race_choice(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The Gumbel-max draw of each row of probs [R, V] (processed, finite): row r picks the argmax of p_i / E_i over
+    the tokens with p_i > 0, with E_i = -log token_uniform(seeds[r], positions[r], i) (seeds, positions int64 [R]).
+
+    Computed as the argmin of p_i / log u_i (= -p_i / E_i): a zero-probability token scores 0 and never wins, since
+    a row's most likely token (p >= 1/V) scores below 0. One pass over the vocabulary on an accelerator; on the CPU
+    in slices of columns that stay in cache, the first minimum kept across slices (the same token as one argmin).
+    """
+    rows, vocab = probs.shape
+    keys = _keys(seeds, positions)
+    width = max(1, _CPU_SLICE // max(rows, 1)) if probs.device.type == "cpu" else vocab
+    best = choice = None
+    for start in range(0, vocab, width):
+        stop = min(vocab, start + width)
+        score, at = torch.div(probs[:, start:stop], _uniforms(keys, start, stop).log_()).min(dim=-1)
+        if best is None:
+            best, choice = score, at
+        else:
+            better = score < best  # strictly: on a tie the earlier token stays, as argmin does
+            best, choice = torch.where(better, score, best), torch.where(better, at + start, choice)
+    return choice
 
 
 def choose_token_tensor(logits: torch.Tensor, params: SamplingParams, seed: int, first_position: int) -> torch.Tensor:
     """The target's own choice for each row of logits [n, V], on the logits' device (no transfer): row i picks
-    the token at `first_position + i`, with that position's uniform."""
+    the token at `first_position + i`, with that position's noise (`race_choice`)."""
     if params.greedy:
         return logits.argmax(dim=-1)
     probs = processed_probs(logits, params)
-    cdf = probs.cumsum(dim=-1)
-    u = position_uniforms(seed, first_position, logits.shape[0], cdf.device).to(cdf.dtype)
-    u = u * cdf[:, -1]
-    idx = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]
-    # Guard against rounding at the top of the CDF: never pick a zero-probability tail token.
-    last_nonzero = vocab_last_nonzero(probs)
-    return torch.minimum(idx, last_nonzero)
+    n = logits.shape[0]
+    seeds = torch.full((n,), _signed(seed & _MASK64), device=probs.device, dtype=torch.int64)
+    positions = torch.arange(first_position, first_position + n, device=probs.device, dtype=torch.int64)
+    return race_choice(probs, seeds, positions)
 
 
 def choose_tokens(logits: torch.Tensor, params: SamplingParams, seed: int, first_position: int) -> list[int]:
@@ -199,23 +258,14 @@ def float_bits(value: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(value)))[0]
 
 
-def row_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """`position_uniform(seed, position)` row by row (int64 [R] each, seeds as the int64 with the seed's bits), on
-    their device: `position_uniforms`' arithmetic with a seed and a position per row."""
-    z = (positions + 1) * _signed(0x9E3779B97F4A7C15) + seeds
-    z = (z ^ _shr(z, 30)) * _signed(0xBF58476D1CE4E5B9)
-    z = (z ^ _shr(z, 27)) * _signed(0x94D049BB133111EB)
-    z = z ^ _shr(z, 31)
-    return _shr(z, 11).to(torch.float64) / float(1 << 53)
-
-
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor,
-                top_p: torch.Tensor, uniforms: torch.Tensor, *, use_min_p: bool = True, use_top_k: bool = True,
-                use_top_p: bool = True) -> torch.Tensor:
+                top_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, *, use_min_p: bool = True,
+                use_top_k: bool = True, use_top_p: bool = True) -> torch.Tensor:
     """`choose_token_tensor` for sampled rows of many requests at once: logits [S, V] fp32 and a parameter per row
-    ([S] each; temperature / min_p / top_p float32, top_k int64, uniforms float64) -> tokens [S]. Every operation is
-    row-wise and the same as `processed_probs`', so each row equals its request's own choice; a filter whose
-    `use_*` is False is off in every row (the host knows) and skipped."""
+    ([S] each; temperature / min_p / top_p float32, top_k int64, seeds (the int64 with the seed's bits) and
+    positions int64) -> tokens [S]. Every operation is row-wise and the same as `processed_probs`' and
+    `choose_token_tensor`'s, so each row equals its request's own choice; a filter whose `use_*` is False is off in
+    every row (the host knows) and skipped."""
     vocab = logits.shape[-1]
     onehot = torch.zeros_like(logits).scatter(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     scores = logits / temperature[:, None]
@@ -237,11 +287,7 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Te
         nucleus = nucleus / nucleus.sum(-1, keepdim=True)
         probs = torch.where((top_p < 1.0)[:, None], nucleus, probs)
     bad = ~torch.isfinite(probs).all(dim=-1, keepdim=True)
-    probs = torch.where(bad, onehot, probs)
-    cdf = probs.cumsum(dim=-1)
-    u = uniforms.to(cdf.dtype) * cdf[:, -1]
-    idx = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]
-    return torch.minimum(idx, vocab_last_nonzero(probs))
+    return race_choice(torch.where(bad, onehot, probs), seeds, positions)
 
 
 @dataclass
@@ -350,7 +396,7 @@ def _choose_rows(blocks: Sequence[Block | None], rows: list[tuple[int, torch.Ten
         ps = [blocks[i].params for i, _, _ in sampled]  # type: ignore[union-attr]
         parts.append(sample_rows(
             torch.cat([x for _, x, _ in sampled]), _as_float(temperature), _as_float(min_p), top_k,
-            _as_float(top_p), row_uniforms(seeds, positions), use_min_p=any(p.min_p > 0.0 for p in ps),
+            _as_float(top_p), seeds, positions, use_min_p=any(p.min_p > 0.0 for p in ps),
             use_top_k=any(p.top_k > 0 for p in ps), use_top_p=any(p.top_p < 1.0 for p in ps)))
     if greedy:
         parts.append(torch.cat(greedy).argmax(dim=-1))
@@ -360,13 +406,6 @@ def _choose_rows(blocks: Sequence[Block | None], rows: list[tuple[int, torch.Ten
 def _as_float(bits: torch.Tensor) -> torch.Tensor:
     """float64 bits sent as int64 -> the float32 values (rounded as a Python float becomes a float32 scalar)."""
     return bits.view(torch.float64).float()
-
-
-def vocab_last_nonzero(probs: torch.Tensor) -> torch.Tensor:
-    """Index of the last token with non-zero probability in each row."""
-    vocab = probs.shape[-1]
-    positions = torch.arange(vocab, device=probs.device).expand_as(probs)
-    return torch.where(probs > 0, positions, torch.zeros_like(positions)).amax(dim=-1)
 
 
 def token_logprobs(

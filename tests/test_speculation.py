@@ -281,16 +281,22 @@ def test_engine_budget_is_shared_across_requests(demo, monkeypatch) -> None:
     assert all(s.num_draft_tokens == s.verify_width - 1 for s in steps)
 
 
-def test_position_uniforms_on_the_device_equal_the_host_draws() -> None:
-    """The verify step draws its uniforms on the device (one transfer per step): bit for bit the host's."""
+def test_token_uniforms_on_the_device_equal_the_host_draws() -> None:
+    """Every step draws its noise on the device, in int64 tensors: bit for bit the host's plain-int hash."""
     import random
 
-    from dflash_core.sampling import position_uniform, position_uniforms
+    import torch
+
+    from dflash_core.sampling import token_uniform, token_uniforms
 
     rng = random.Random(7)
-    for seed in [0, 1, (1 << 63) - 1, (1 << 64) - 1] + [rng.getrandbits(64) for _ in range(20)]:
-        for first in (0, 17, 1 << 20, 1 << 40):
-            assert position_uniforms(seed, first, 16).tolist() == [position_uniform(seed, first + i) for i in range(16)]
+    seeds = [0, 1, (1 << 63) - 1, (1 << 64) - 1] + [rng.getrandbits(64) for _ in range(20)]
+    for first in (0, 17, 1 << 20, 1 << 40):
+        positions = [first + i for i in range(len(seeds))]
+        signed = torch.tensor([s - (1 << 64) if s >= 1 << 63 else s for s in seeds], dtype=torch.int64)
+        got = token_uniforms(signed, torch.tensor(positions), 64).tolist()
+        for row, (seed, position) in enumerate(zip(seeds, positions)):
+            assert got[row] == [token_uniform(seed, position, t) for t in range(64)], (seed, position)
 
 
 def test_estimated_speedup_agrees_with_the_benchmark() -> None:
