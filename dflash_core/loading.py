@@ -28,8 +28,8 @@ from dflash_core.memory import (
     normalize_shape,
     parse_bytes,
     plan_memory,
+    pool_state_costs,
     ram_cache_budget,
-    state_bytes_per_slot,
     verify_logits_bytes,
 )
 from dflash_core.runners.base import TargetRunner
@@ -220,17 +220,21 @@ def static_shapes(config: EngineConfig, device: torch.device, slots: int | None 
     return StaticShapes(batch or default_batch_sizes(cap), widths)
 
 
-def pool_costs(model: Any, draft_cfg: DraftConfig | None, dtype: torch.dtype, block: int, kv_block: int) -> PoolCosts:
+def pool_costs(
+    model: Any, draft_cfg: DraftConfig | None, dtype: torch.dtype, block: int, kv_block: int,
+    prefix_caching: bool = True,
+) -> PoolCosts:
     """Bytes per position of the loaded pair's KV pool, as the runners allocate it (target attention layers' K and
-    V, the draft's layers' K and V in the same block ids), a hybrid's recurrent state per running request, and the
-    block + 1 positions a request may reach beyond max_model_len (the runners' max_len)."""
+    V, the draft's layers' K and V in the same block ids), a hybrid's recurrent state per running request (with
+    `prefix_caching`, its checkpoint copies and the checkpoint store too), and the block + 1 positions a request may
+    reach beyond max_model_len (the runners' max_len)."""
     nbytes = torch.tensor([], dtype=dtype).element_size()
     shape = normalize_shape(model.config.to_dict())
     draft_row = 0
     if draft_cfg is not None:
         draft_row = 2 * draft_cfg.num_hidden_layers * draft_cfg.num_key_value_heads * int(draft_cfg.head_dim) * nbytes
-    return PoolCosts(kv_bytes_per_row(shape, nbytes), draft_row, state_bytes_per_slot(shape, nbytes), kv_block,
-                     extra_len=block + 1)
+    return PoolCosts(kv_bytes_per_row(shape, nbytes), draft_row, kv_block=kv_block, extra_len=block + 1,
+                     **pool_state_costs(shape, nbytes, prefix_caching))
 
 
 def paged(model: Any, backend: str) -> bool:
@@ -260,7 +264,7 @@ def memory_budget(
         if config.kv_cache_memory is not None or config.gpu_memory_utilization is not None:
             log.warning("the hf backend has no KV pool: --kv-cache-memory / --gpu-memory-utilization are not applied")
         return no_pool(weights, slots, config.max_model_len or model_max, config.kv_block_size)
-    costs = pool_costs(model, draft_cfg, dtype, block, config.kv_block_size)
+    costs = pool_costs(model, draft_cfg, dtype, block, config.kv_block_size, config.enable_prefix_caching)
     if config.kv_cache_memory is not None:
         cache_budget, source = parse_bytes(config.kv_cache_memory), f"--kv-cache-memory {config.kv_cache_memory}"
     elif device.type == "cuda":

@@ -1,5 +1,6 @@
-"""Memory arithmetic, in one place: the bytes of a KV block (target and draft pages), a hybrid's per-request
-recurrent state, and the start-up plan that sizes the KV pool from `--kv-cache-memory` or
+"""Memory arithmetic, in one place: the bytes of a KV block (target and draft pages), a hybrid's recurrent state
+(per running request, and its prefix-cache checkpoints: `dflash_core.hybrid_state`, the runner's own figures), and
+the start-up plan that sizes the KV pool from `--kv-cache-memory` or
 `--gpu-memory-utilization` (by default: 0.9 of a CUDA card, as vLLM; elsewhere a share of the free RAM).
 
 `dflash-bench memory` (`dflash_core/bench/memory.py`) estimates presets with the same functions; `load_models`
@@ -12,6 +13,8 @@ import os
 import re
 from dataclasses import dataclass
 from typing import Any
+
+from dflash_core.hybrid_state import checkpoint_limits, checkpoint_nbytes, request_state_bytes
 
 GB = 1e9
 GIB = 1 << 30
@@ -82,15 +85,21 @@ def kv_bytes_per_row(m: dict[str, Any], dtype_bytes: int) -> int:
     return 2 * attention * int(m["num_key_value_heads"]) * int(m["head_dim"]) * dtype_bytes
 
 
-def state_bytes_per_slot(m: dict[str, Any], dtype_bytes: int) -> int:
-    """A slot's fixed-size state in Gated DeltaNet layers: the convolution window (kernel - 1 inputs, model dtype)
-    and the recurrent state (value heads x key dim x value dim, float32), each held twice: the live one and the
-    copy a verify step records for rollback; 0 without such layers."""
+def checkpoint_bytes(m: dict[str, Any], dtype_bytes: int) -> int:
+    """One copy of a hybrid's state from its config: every Gated DeltaNet layer's convolution window (kernel - 1
+    inputs, model dtype) and recurrent state (value heads x key dim x value dim, float32), as the runner's
+    `checkpoint_bytes`; 0 without such layers."""
     linear = sum(kind == "linear_attention" for kind in layer_types(m))
     if not linear:
         return 0
-    conv, kernel, nv, dk, dv = linear_dims(m)
-    return 2 * linear * (conv * (kernel - 1) * dtype_bytes + nv * dk * dv * 4)
+    return checkpoint_nbytes(linear, *linear_dims(m), dtype_bytes)
+
+
+def state_bytes_per_slot(m: dict[str, Any], dtype_bytes: int, prefix_caching: bool = False) -> int:
+    """A running request's fixed-size state in Gated DeltaNet layers, at most: the live state and the copy a verify
+    step records for rollback, plus with prefix caching the checkpoint copies it holds (marks, a pending boundary
+    state, a deferred checkpoint: `dflash_core.hybrid_state.request_state_bytes`); 0 without such layers."""
+    return request_state_bytes(checkpoint_bytes(m, dtype_bytes), prefix_caching)
 
 
 def normalize_shape(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -109,14 +118,17 @@ def normalize_shape(cfg: dict[str, Any]) -> dict[str, Any]:
 class PoolCosts:
     """What the KV pool costs: `target_row` / `draft_row` bytes per cached position (the draft's pages share the
     target's block ids, so a block holds both), `state` fixed bytes per running request (a hybrid's convolution
-    windows and recurrent states), the KV block of `kv_block` positions, and `extra_len`: positions a request may
-    reach beyond max_model_len (its verify block and one more, as the runners' `max_len`)."""
+    windows and recurrent states: live, rollback copy and, with prefix caching, its checkpoint copies), the KV block
+    of `kv_block` positions, `extra_len`: positions a request may reach beyond max_model_len (its verify block and
+    one more, as the runners' `max_len`), and `checkpoint`: bytes of one state checkpoint in the KV manager's
+    store (0: no store; a hybrid with prefix caching off, or no linear layers)."""
 
     target_row: int
     draft_row: int
     state: int
     kv_block: int
     extra_len: int
+    checkpoint: int = 0
 
     @property
     def block_bytes(self) -> int:
@@ -135,11 +147,27 @@ class PoolCosts:
         """The longest max_model_len whose request fits `num_blocks` blocks (0 when none does)."""
         return max(0, (num_blocks - 1) * self.kv_block - self.extra_len)
 
+    def store_bytes(self, slots: int) -> int:
+        """The checkpoint store's limit beside `slots` running requests (`HybridTarget.checkpoint_limits`)."""
+        return checkpoint_limits(slots, self.checkpoint)[1] if self.checkpoint else 0
+
+    def states(self, slots: int) -> int:
+        """Fixed bytes beside the pool: `slots` running requests' states and the checkpoint store."""
+        return slots * self.state + self.store_bytes(slots)
+
+
+def pool_state_costs(m: dict[str, Any], dtype_bytes: int, prefix_caching: bool) -> dict[str, int]:
+    """A target's `state` and `checkpoint` fields of PoolCosts, from its config: the state a running request holds
+    at most, and with prefix caching on the store's checkpoint size (0 off: no store, no checkpoint copies)."""
+    one = checkpoint_bytes(m, dtype_bytes)
+    return {"state": request_state_bytes(one, prefix_caching), "checkpoint": one if prefix_caching else 0}
+
 
 @dataclass(frozen=True)
 class MemoryBudget:
     """The start-up memory plan: weights, and the KV pool of `num_blocks` blocks of `kv_block` positions (block 0
-    the null block) beside `slots` running requests' recurrent states. `num_blocks` None: no pool (hf backend)."""
+    the null block) beside `slots` running requests' recurrent states (`state`, their checkpoint copies included)
+    and a hybrid's checkpoint store (`checkpoints`: its byte limit). `num_blocks` None: no pool (hf backend)."""
 
     weights: int
     slots: int
@@ -153,10 +181,11 @@ class MemoryBudget:
     source: str  # where the budget came from ("--kv-cache-memory 4GiB", ...), or "no budget set"
     extra_len: int = 0
     notes: tuple[str, ...] = ()  # what the plan lowered, and why (logged)
+    checkpoints: int = 0  # a hybrid's checkpoint store (prefix caching on): at most these bytes
 
     @property
     def caches(self) -> int:
-        return self.target_kv + self.draft_kv + self.state
+        return self.target_kv + self.draft_kv + self.state + self.checkpoints
 
     @property
     def pool_tokens(self) -> int:
@@ -180,6 +209,8 @@ class MemoryBudget:
                  f"(target KV {format_bytes(self.target_kv)}, draft KV {format_bytes(self.draft_kv)})"]
         if self.state:
             parts.append(f"recurrent state {format_bytes(self.state)} ({self.slots} running requests)")
+        if self.checkpoints:
+            parts.append(f"state checkpoints {format_bytes(self.checkpoints)}")
         budget = (f"of a {format_bytes(self.cache_budget)} cache budget ({self.source})"
                   if self.cache_budget is not None else f"({self.source})")
         full = self.requests_of(self.max_model_len)
@@ -200,9 +231,10 @@ def plan_memory(
     costs: PoolCosts, weights: int, slots: int, max_model_len: int | None, model_max_len: int,
     cache_budget: int | None, source: str,
 ) -> MemoryBudget:
-    """The KV pool within `cache_budget` bytes. A hybrid's recurrent states come first, one per running request,
-    and take at most half of the budget (the running cap is lowered to fit: memory decides how many run); the rest
-    buys `num_blocks = rest // block_bytes`. One request of max_model_len must fit (vLLM's rule): an unset
+    """The KV pool within `cache_budget` bytes. A hybrid's recurrent states come first: each running request's
+    (`costs.state`) and the checkpoint store's limit (`costs.store_bytes`), together at most half of the budget
+    (the running cap is lowered to fit: memory decides how many run); the rest buys
+    `num_blocks = rest // block_bytes`. One request of max_model_len must fit (vLLM's rule): an unset
     max_model_len is the model's, lowered to the longest that fits; a set one that does not fit is a ValueError
     saying what would. No budget: every running request at full length (the runners' default pool)."""
     length = max_model_len or model_max_len
@@ -211,16 +243,22 @@ def plan_memory(
         return _budget(costs, weights, slots, length, num_blocks, None, source, ())
     notes: list[str] = []
     if costs.state:
-        fit = (cache_budget // 2) // costs.state
+        half = cache_budget // 2
+        fit = min(slots, half // costs.state)
+        while fit > 0 and costs.states(fit) > half:  # the store grows with the running cap
+            fit -= 1
         if fit < 1:
+            store = (f" and the state checkpoints' {format_bytes(costs.store_bytes(1))}"
+                     if costs.checkpoint else "")
             raise ValueError(
-                f"one request's recurrent state takes {format_bytes(costs.state)}, more than half of the "
+                f"one request's recurrent state takes {format_bytes(costs.state)}{store}, more than half of the "
                 f"{format_bytes(cache_budget)} that {source} leaves for caches; {_raise_hint(source)}")
         if fit < slots:
+            store = " and the state checkpoints" if costs.checkpoint else ""
             notes.append(f"running requests capped at {fit} (max_num_seqs {slots}): their recurrent states "
-                         f"({format_bytes(costs.state)} each) take at most half of the cache budget")
+                         f"({format_bytes(costs.state)} each){store} take at most half of the cache budget")
             slots = fit
-    num_blocks = (cache_budget - slots * costs.state) // costs.block_bytes
+    num_blocks = (cache_budget - costs.states(slots)) // costs.block_bytes
     if num_blocks < costs.min_blocks(length):
         fit_len = min(model_max_len, costs.max_len_within(num_blocks))
         if max_model_len is None and fit_len >= 2:
@@ -244,7 +282,8 @@ def _budget(
 ) -> MemoryBudget:
     rows = num_blocks * costs.kv_block
     return MemoryBudget(weights, slots, length, costs.kv_block, num_blocks, costs.target_row * rows,
-                        costs.draft_row * rows, costs.state * slots, cache_budget, source, costs.extra_len, notes)
+                        costs.draft_row * rows, costs.state * slots, cache_budget, source, costs.extra_len, notes,
+                        costs.store_bytes(slots))
 
 
 def no_pool(weights: int, slots: int, max_model_len: int, kv_block: int) -> MemoryBudget:

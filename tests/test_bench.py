@@ -312,11 +312,32 @@ def test_memory_estimate_of_hybrid_and_moe_presets(tmp_path: Path, capsys: pytes
     est = bench.memory_from_preset(REPO / "configs" / "qwen3.5-9b.yaml")
     assert est["target_params"] == 8_953_803_264  # Qwen3_5ForCausalLM of the published text config, meta device
     assert est["target_kv_bytes_per_token"] == 2 * 8 * 4 * 256 * 2  # 8 of 32 layers keep K and V
-    # 24 DeltaNet layers, each state twice (live, and the copy kept for rollback), per running request
-    assert est["state_bytes_per_request"] == 2 * 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)
-    card = est["cards"]["48 GB"]  # the states take at most half of the budget: fewer than 256 run
-    assert card["fits"] and card["running"] == card["cache_budget"] // 2 // est["state_bytes_per_request"] < 256
-    assert card["target_state_bytes"] == card["running"] * est["state_bytes_per_request"]
+    # one state copy: 24 DeltaNet layers x (window of 3 inputs x 8192 bf16 channels + 32 x 128 x 128 float32)
+    one = 24 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)
+    # per running request: live + rollback copy, and with prefix caching (the preset's) up to 4 checkpoint copies
+    # (2 marks, the pending boundary state, the deferred checkpoint); the store: max(4, running // 2) checkpoints
+    assert est["enable_prefix_caching"] and est["checkpoint_bytes"] == one and est["request_checkpoints"] == 4
+    assert est["state_bytes_per_request"] == (2 + 4) * one
+    card = est["cards"]["48 GB"]  # states and store take at most half of the budget: fewer than 256 run
+
+    def running(budget: int, per_request: int, store: bool) -> int:  # the largest cap whose states fit half
+        return max(n for n in range(1, 257) if n * per_request + (max(4, n // 2) * one if store else 0)
+                   <= budget // 2)
+
+    assert card["fits"] and card["running"] == running(card["cache_budget"], 6 * one, True) < 256
+    assert card["target_state_bytes"] == card["running"] * 6 * one
+    assert card["checkpoint_store_count"] == max(4, card["running"] // 2)
+    assert card["checkpoint_store_bytes"] == card["checkpoint_store_count"] * one
+    assert card["num_blocks"] == ((card["cache_budget"] - card["target_state_bytes"] - card["checkpoint_store_bytes"])
+                                  // (16 * (est["target_kv_bytes_per_token"] + est["draft_kv_bytes_per_token"])))
+    # --no-enable-prefix-caching: live + rollback copy only, no store
+    off = bench.memory_estimate("Qwen/Qwen3.5-9B", "z-lab/Qwen3.5-9B-DFlash", max_model_len=8192,
+                                enable_prefix_caching=False)
+    off_card = off["cards"]["48 GB"]
+    assert off["state_bytes_per_request"] == 2 * one and off["request_checkpoints"] == 0
+    assert off_card["running"] == running(off_card["cache_budget"], 2 * one, False) > card["running"]
+    assert off_card["target_state_bytes"] == off_card["running"] * 2 * one
+    assert off_card["checkpoint_store_bytes"] == off_card["checkpoint_store_count"] == 0
     assert not est["cards"]["24 GB"]["fits"] and est["cards"]["24 GB"]["why"] == "weights"
     assert bench.memory_from_preset(REPO / "configs" / "qwen3.5-27b.yaml")["target_params"] == 26_895_998_464
     oss = bench.memory_from_preset(REPO / "configs" / "gpt-oss-20b.yaml")
@@ -330,15 +351,25 @@ def test_memory_estimate_of_hybrid_and_moe_presets(tmp_path: Path, capsys: pytes
 
     target, draft = make_tiny_pair(tmp_path, "qwen3_5")
     budget = 3 << 20
-    est = bench.memory_estimate(str(target), str(draft), dtype="float32", max_model_len=64, max_running_requests=3,
-                                kv_cache_memory=budget)
-    engine = load_models(EngineConfig(str(target), str(draft), device="cpu", dtype="float32", max_model_len=64,
-                                      max_running_requests=3, backend="native",
-                                      kv_cache_memory=str(budget))).engine
-    allocated = allocated_bytes(engine.target)
-    assert est["target_params"] == sum(p.numel() for p in engine.target.model.parameters())
-    assert est["num_blocks"] == engine.target.num_blocks
-    assert est["target_kv_bytes"] + est["target_state_bytes"] == allocated
+    for prefix in (True, False):
+        est = bench.memory_estimate(str(target), str(draft), dtype="float32", max_model_len=64,
+                                    max_running_requests=3, kv_cache_memory=budget, enable_prefix_caching=prefix)
+        engine = load_models(EngineConfig(str(target), str(draft), device="cpu", dtype="float32", max_model_len=64,
+                                          max_running_requests=3, backend="native", kv_cache_memory=str(budget),
+                                          enable_prefix_caching=prefix)).engine
+        runner = engine.target
+        allocated = allocated_bytes(runner)  # the pages, and each slot's live and rollback states
+        assert est["target_params"] == sum(p.numel() for p in runner.model.parameters())
+        assert est["num_blocks"] == runner.num_blocks and est["running"] == runner.max_slots == 3
+        assert est["checkpoint_bytes"] == runner.checkpoint_bytes
+        assert est["target_kv_bytes"] + 3 * 2 * runner.checkpoint_bytes == allocated
+        # beyond the allocation: each request's checkpoint copies, and the store's limit (the runner's own)
+        assert est["target_state_bytes"] == 3 * (2 + (4 if prefix else 0)) * runner.checkpoint_bytes
+        store = engine.kv.checkpoints
+        assert (store is not None) == prefix == runner.checkpointing
+        assert est["checkpoint_store_bytes"] == (runner.checkpoint_limits[1] if prefix else 0)
+        assert store is None or (store.max_count, store.max_bytes) == runner.checkpoint_limits == (
+            est["checkpoint_store_count"], est["checkpoint_store_bytes"])
 
 
 def _clean_env(monkeypatch: pytest.MonkeyPatch, home: Path) -> None:

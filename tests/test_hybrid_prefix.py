@@ -288,3 +288,66 @@ def test_caching_off_keeps_no_checkpoints() -> None:
     eng = engine("qwen3_5", prefix=False)
     assert eng.kv.checkpoints is None and not eng.target.checkpointing
     run_to_completion(eng, [ids(40, 7)], SamplingParams(max_tokens=20, ignore_eos=True))
+
+
+def held_state_bytes(eng: Engine) -> tuple[int, int]:
+    """(all, checkpoint copies): bytes of hybrid state the engine holds now, distinct storages: the runner's live and
+    rollback states, and the checkpoint copies beyond them (each admitted request's marks, pending boundary state and
+    deferred checkpoint, and the store's checkpoints)."""
+    target, store = eng.target, eng.kv.checkpoints
+    seen: dict[int, int] = {}
+
+    def add(t: torch.Tensor) -> None:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+    for t in (target.conv_state, target.rec_state, target.conv_backup, target.rec_backup):
+        add(t)
+    allocated = sum(seen.values())
+    for req in [*eng.scheduler.running, *eng.scheduler.prefilling]:
+        if req.cache is not None:
+            for layers in [*req.cache.marks.values(), req.cache.pending]:
+                for conv, rec in layers.values():
+                    add(conv)
+                    add(rec)
+        if req.kv is not None and req.kv.deferred is not None:
+            for t in req.kv.deferred[1]:
+                add(t)
+    for checkpoint, _ in (store._entries.values() if store is not None else ()):
+        for t in checkpoint:
+            add(t)
+    total = sum(seen.values())
+    return total, total - allocated
+
+
+@pytest.mark.parametrize("prefix", [True, False], ids=["prefix-caching", "no-prefix-caching"])
+def test_a_hybrid_engine_holds_no_more_state_than_the_plan(prefix: bool) -> None:
+    """Conversations and distinct prompts through a tiny hybrid engine with the DFlash draft: after every step, the
+    state it holds (live and rollback states, marks, pending and deferred checkpoints, the store) is within the
+    memory plan's figure for its running cap, computed from the config; the checkpoint copies are exercised."""
+    from dflash_core.memory import PoolCosts, normalize_shape, plan_memory, pool_state_costs
+
+    slots = 3
+    eng = engine("qwen3_5", prefix=prefix, slots=slots)
+    shape = normalize_shape(model("qwen3_5").config.to_dict())
+    costs = PoolCosts(0, 0, kv_block=KV_BLOCK, extra_len=DRAFT_BLOCK + 1, **pool_state_costs(shape, 4, prefix))
+    plan = plan_memory(costs, 0, slots, 64, MAX_LEN, None, "no budget set")
+    assert eng.target.checkpoint_bytes == pool_state_costs(shape, 4, True)["checkpoint"]
+    assert plan.slots == slots and plan.checkpoints == (eng.target.checkpoint_limits[1] if prefix else 0)
+    budget = plan.state + plan.checkpoints
+    shared = ids(37, 60)
+    prompts = [shared + ids(5 + 11 * i, 70 + i) for i in range(4)] + [ids(20 + 9 * i, 80 + i) for i in range(5)]
+    params = SamplingParams(max_tokens=45, ignore_eos=True)
+    peak = copies = 0
+    for p in prompts:
+        eng.add_request(p, params)
+    while eng.has_unfinished():
+        eng.step()
+        held, extra = held_state_bytes(eng)
+        assert held <= budget, (held, budget)
+        peak, copies = max(peak, held), max(copies, extra)
+    if prefix:
+        store = eng.kv.checkpoints
+        assert store is not None and len(store) == store.max_count  # the store filled up
+        assert copies > store.max_bytes  # requests' own checkpoint copies beside a full store
+    else:
+        assert copies == 0 and peak == budget  # just the live and rollback states

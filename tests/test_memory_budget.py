@@ -90,6 +90,45 @@ def test_a_hybrids_recurrent_states_come_first_and_cap_the_running_requests():
         plan_memory(costs, 0, 8, 1000, 40960, 10**6, "--kv-cache-memory 1MB")
 
 
+def test_a_hybrids_checkpoints_count_with_its_states():
+    """With prefix caching each running request also holds checkpoint copies (in `state`) and the store takes
+    max(4, running // 2) checkpoints: together with the states at most half of the budget."""
+    costs = PoolCosts(target_row=1000, draft_row=100, state=6 * 10**6, kv_block=16, extra_len=17, checkpoint=10**6)
+    assert costs.store_bytes(3) == 4 * 10**6 and costs.store_bytes(20) == 10 * 10**6
+    plan = plan_memory(costs, 0, 256, 1000, 40960, 100 * 10**6, "--kv-cache-memory 100MB")
+    # 7 x 6 MB + 4 x 1 MB = 46 MB <= 50 MB; 8 running would take 48 + 4 = 52 MB
+    assert plan.slots == 7 and plan.state == 42 * 10**6 and plan.checkpoints == 4 * 10**6
+    assert plan.num_blocks == (100 * 10**6 - 46 * 10**6) // costs.block_bytes and plan.caches <= plan.cache_budget
+    assert "state checkpoints" in plan.notes[0] and "state checkpoints 4.0 MB" in plan.summary()
+    no_budget = plan_memory(costs, 0, 10, 1000, 40960, None, "no budget set")
+    assert no_budget.state == 60 * 10**6 and no_budget.checkpoints == 5 * 10**6
+    with pytest.raises(ValueError, match=r"recurrent state takes 6.0 MB and the state checkpoints' 4.0 MB"):
+        plan_memory(costs, 0, 8, 1000, 40960, 19 * 10**6, "--kv-cache-memory 19MB")
+
+
+@pytest.mark.parametrize("prefix", [True, False], ids=["prefix-caching", "no-prefix-caching"])
+def test_a_hybrids_plan_from_its_config(prefix: bool):
+    """load_models' plan of a tiny hybrid, from its config's shapes: live and rollback states per running request,
+    with prefix caching 4 checkpoint copies more each and the store's max(4, running // 2); without, nothing more."""
+    from tests.helpers import make_target
+
+    model = make_target(None, "qwen3_5", seed=1)
+    c = model.config
+    linear = c.layer_types.count("linear_attention")
+    conv = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+    one = linear * (conv * (c.linear_conv_kernel_dim - 1) * 4
+                    + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4)
+    config = EngineConfig(device="cpu", max_running_requests=10, max_model_len=64, kv_cache_memory="4MiB",
+                          enable_prefix_caching=prefix)
+    plan = memory_budget(config, model, None, torch.device("cpu"), torch.float32, 1)
+    assert plan.slots == 10
+    assert plan.state == 10 * (2 + (4 if prefix else 0)) * one
+    assert plan.checkpoints == (max(4, 10 // 2) * one if prefix else 0)
+    row = kv_bytes_per_row({"num_hidden_layers": c.layer_types.count("full_attention"),
+                            "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim}, 4)
+    assert plan.num_blocks == (4 * 2**20 - plan.state - plan.checkpoints) // (16 * row)
+
+
 def test_the_default_budget_off_cuda_and_the_static_buckets():
     assert RAM_KV_DEFAULT_CAP == GIB
     assert ram_cache_budget(64 * GIB) == GIB and ram_cache_budget(None) == GIB
@@ -98,10 +137,10 @@ def test_the_default_budget_off_cuda_and_the_static_buckets():
     # 256 running requests do not mean 256-row compiled graphs: the largest default bucket is MAX_STATIC_BATCH
     shapes = static_shapes(EngineConfig(compile=True), torch.device("cpu"), 256)
     assert shapes is not None and max(shapes.batch_sizes) == MAX_STATIC_BATCH == 64
-    assert shapes.batch_sizes == (1, 2, 4, 8, 16, 32, 64)
-    assert static_shapes(EngineConfig(compile=True), torch.device("cpu"), 6).batch_sizes == (1, 2, 4, 6)
+    assert shapes.batch_sizes == (2, 4, 8, 16, 32, 64)
+    assert static_shapes(EngineConfig(compile=True), torch.device("cpu"), 6).batch_sizes == (2, 4, 6)
     explicit = static_shapes(EngineConfig(compile=True, compile_batch_sizes="1,128"), torch.device("cpu"), 256)
-    assert explicit is not None and explicit.batch_sizes == (1, 128)
+    assert explicit is not None and explicit.batch_sizes == (2, 128)  # a bucket of 1 is 2
 
 
 def test_bench_estimate_uses_the_same_arithmetic():

@@ -3,8 +3,9 @@
 0.9) leaves beside them, as positions of KV and as requests of the preset's max_model_len (and of 2,048 tokens)
 that run at once. Dense, MoE (experts counted in full: every expert is resident) and hybrid Gated DeltaNet targets
 (KV for the full-attention layers only, plus each running request's convolution windows and recurrent states, as
-`dflash_core.runners.hybrid` allocates them). The arithmetic is `dflash_core.memory`'s, which the start-up plan
-uses too (`plan_memory`)."""
+`dflash_core.runners.hybrid` allocates them: live and rollback copies, and with prefix caching the checkpoint copies
+a request holds and the KV manager's checkpoint store, `dflash_core.hybrid_state`). The arithmetic is
+`dflash_core.memory`'s, which the start-up plan uses too (`plan_memory`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_core.bench.errors import BenchError
+from dflash_core.hybrid_state import REQUEST_CHECKPOINTS, checkpoint_limits
 from dflash_core.memory import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     GB,
@@ -20,12 +22,14 @@ from dflash_core.memory import (
     SHORT_REQUEST,
     MemoryBudget,
     PoolCosts,
+    checkpoint_bytes,
     cuda_cache_budget,
     kv_bytes_per_row,
     layer_types,
     linear_dims,
     normalize_shape,
     plan_memory,
+    pool_state_costs,
     state_bytes_per_slot,
     verify_logits_bytes,
 )
@@ -213,6 +217,8 @@ def _plan_dict(plan: MemoryBudget) -> dict[str, Any]:
         "target_kv_bytes": plan.target_kv,
         "draft_kv_bytes": plan.draft_kv,
         "target_state_bytes": plan.state,
+        "checkpoint_store_count": checkpoint_limits(plan.slots, 1)[0] if plan.checkpoints else 0,
+        "checkpoint_store_bytes": plan.checkpoints,
     }
 
 
@@ -228,14 +234,18 @@ def memory_estimate(
     kv_cache_memory: int | None = None,
     gpu_memory_utilization: float | None = None,
     max_num_batched_tokens: int | None = 2048,
+    enable_prefix_caching: bool = True,
 ) -> dict[str, Any]:
     """Memory of the native backend, in bytes: the weights; the KV pool per position (target attention layers'
-    K and V, the draft's in the same blocks) and a hybrid's recurrent state per running request
-    (`target_state_bytes`); the pool of `kv_cache_memory` bytes (None: every running request at full length, the
-    runners' default pool) with its totals; and, per card of `CARDS`, the pool `gpu_memory_utilization` (default
-    0.9) leaves beside the weights, in tokens and in requests (`cards`). Activations, the CUDA context and allocator
-    slack come on top of the totals. A target the native backend does not run (gpt-oss: sliding-window attention)
-    runs on hf, whose caches grow with each request: its figures are what a pool of that size would hold."""
+    K and V, the draft's in the same blocks) and a hybrid's recurrent state: `state_bytes_per_request` (live and
+    rollback copies, plus `request_checkpoints` copies of `checkpoint_bytes` with `enable_prefix_caching`) for each
+    running request (`target_state_bytes` in all) and the checkpoint store's limit (`checkpoint_store_count`
+    checkpoints, `checkpoint_store_bytes`; 0 with prefix caching off); the pool of `kv_cache_memory` bytes (None:
+    every running request at full length, the runners' default pool) with its totals; and, per card of `CARDS`, the
+    pool `gpu_memory_utilization` (default 0.9) leaves beside the weights, in tokens and in requests (`cards`).
+    Activations, the CUDA context and allocator slack come on top of the totals. A target the native backend does
+    not run (gpt-oss: sliding-window attention) runs on hf, whose caches grow with each request: its figures are
+    what a pool of that size would hold."""
     t = _model_shape(target)
     d = _model_shape(draft) if draft else None
     nbytes = DTYPE_BYTES.get(dtype)
@@ -245,7 +255,9 @@ def memory_estimate(
     model_max = int(t["max_position_embeddings"])
     length = int(max_model_len or model_max)
     costs = PoolCosts(kv_bytes_per_row(t, nbytes), kv_bytes_per_row(d, nbytes) if d else 0,
-                      state_bytes_per_slot(t, nbytes), kv_block_size, extra_len=block + 1)
+                      kv_block=kv_block_size, extra_len=block + 1,
+                      **pool_state_costs(t, nbytes, enable_prefix_caching))
+    one = checkpoint_bytes(t, nbytes)
     out: dict[str, Any] = {
         "target": target,
         "draft": draft,
@@ -258,7 +270,10 @@ def memory_estimate(
         "draft_params": draft_params(d) if d else 0,
         "target_kv_bytes_per_token": costs.target_row,
         "draft_kv_bytes_per_token": costs.draft_row,
+        "enable_prefix_caching": enable_prefix_caching,
         "state_bytes_per_request": costs.state,
+        "checkpoint_bytes": one,
+        "request_checkpoints": REQUEST_CHECKPOINTS if enable_prefix_caching and one else 0,
     }
     out["weights_bytes"] = weights = (out["target_params"] + out["draft_params"]) * nbytes
     # the native backend does not run sliding-window attention: such a target runs on hf, which has no pool
@@ -302,6 +317,7 @@ def memory_from_preset(path: Path) -> dict[str, Any]:
         kv_cache_memory=parse_bytes(kv) if kv else None,
         gpu_memory_utilization=cfg.get("gpu_memory_utilization"),
         max_num_batched_tokens=cfg.get("max_num_batched_tokens", 2048),
+        enable_prefix_caching=bool(cfg.get("enable_prefix_caching", True)),
     )
     return {"preset": str(path), **est}
 
@@ -333,6 +349,9 @@ def format_memory(rows: list[dict[str, Any]]) -> str:
         per_token = (r["target_kv_bytes_per_token"] + r["draft_kv_bytes_per_token"]) / 1e3
         state = r.get("state_bytes_per_request") or 0
         kv = f"{per_token:.0f} KB" + (f" + {state / 1e6:.0f} MB state per request" if state else "")
+        if state and r.get("request_checkpoints"):  # prefix caching: checkpoint copies, and the store's limit
+            one = r["checkpoint_bytes"] / 1e6
+            kv += f" ({2 + r['request_checkpoints']} x {one:.0f} MB) + {one:.0f} MB x max(4, running / 2) checkpoints"
         cells = " | ".join(_cell(r["cards"][label], r["max_model_len"], r["max_running_requests"], r["backend"])
                            for label in labels)
         lines.append(

@@ -25,11 +25,15 @@ starting point: it can be rolled back to it (a retry), not into its middle.
 
 Prefill uses transformers' chunked delta-rule function (as transformers' own prefill does); verify and decode
 steps use the token-by-token recurrence in torch (as transformers' own decode does without the fla / causal-conv1d
-kernels), so outputs match `generate` run with transformers' torch implementations. Memory: each running request
-holds its state twice (live, and the copy its last forward recorded for rollback); `dflash-bench memory` counts both.
-With checkpointing, a request also holds its marks (up to two more copies, and a third while a forward that passes
-a boundary is not yet accepted), and the KV manager's checkpoints take at most `checkpoint_limits` (by default one
-state per two slots, at least 4); neither is in `dflash-bench memory`'s arithmetic yet.
+kernels), so outputs match `generate` run with transformers' torch implementations.
+
+Memory (`dflash_core.hybrid_state`, which the memory plan and `dflash-bench memory` count with too): each running
+request holds its state twice (live, and the copy its last forward recorded for rollback). With checkpointing, it
+also holds up to `REQUEST_CHECKPOINTS` = 4 more copies: its marks (MARKS = 2), the pending boundary state of a
+forward not yet accepted (held beside both marks until the next forward settles it), and the checkpoint the engine
+keeps until its block enters the prefix index (`RequestKV.deferred`); the KV manager's checkpoints take at most
+`checkpoint_limits` (one state per two slots, at least 4). The per-token records of rollback (a few KB per token of
+the last forward) are not counted.
 """
 
 from __future__ import annotations
@@ -43,13 +47,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_core.compat import chunk_gated_delta_rule
+from dflash_core.hybrid_state import MARKS, checkpoint_limits, checkpoint_nbytes
 from dflash_core.kv.pool import DEFAULT_KV_BLOCK
 from dflash_core.layers import apply_rope
 from dflash_core.runners.native import Batch, NativeTarget, Rope, Slot, supports
 
 HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 _L2_EPS = 1e-6
-MARKS = 2  # block-boundary states a request keeps (see HybridSlot.marks)
 
 
 def hybrid_unsupported(model: nn.Module) -> str | None:
@@ -124,14 +128,10 @@ class HybridTarget(NativeTarget):
         if reason is not None:
             raise ValueError(f"the native backend does not support {reason}")
         super().__init__(model, layer_ids, max_slots, max_len, num_blocks=num_blocks, kv_block=kv_block)
-        # one checkpoint: every linear layer's convolution window and recurrent state
-        self.checkpoint_bytes = self.conv_state[:, 0].nbytes + self.rec_state[:, 0].nbytes
-        # the KV manager's checkpoint store: one state per two slots (at least 4). A checkpoint pays when the
-        # next turn of a recently served conversation (or a preempted request) comes back while its blocks are
-        # still cached; each conversation needs one (its latest), so a count of the order of the running
-        # requests covers them, at a quarter of what the slots' live and rollback states already take.
-        count = max(4, self.max_slots // 2)
-        self.checkpoint_limits = (count, count * self.checkpoint_bytes)
+        # one checkpoint: every linear layer's convolution window and recurrent state (the plan's own arithmetic)
+        self.checkpoint_bytes = checkpoint_nbytes(*self.linear_shape, self.dtype.itemsize)
+        # the KV manager's checkpoint store (see `dflash_core.hybrid_state.checkpoint_limits`)
+        self.checkpoint_limits = checkpoint_limits(self.max_slots, self.checkpoint_bytes)
 
     def _allocate(self) -> None:
         types = list(self.config.layer_types)
@@ -143,6 +143,8 @@ class HybridTarget(NativeTarget):
         la = self.layers[linear[0]].linear_attn if linear else None
         conv_dim, kernel = (la.conv_dim, la.conv_kernel_size) if la is not None else (0, 1)
         hv, dk, dv = (la.num_v_heads, la.head_k_dim, la.head_v_dim) if la is not None else (0, 0, 0)
+        # (linear layers, conv channels, kernel, value heads, key dim, value dim): what `checkpoint_nbytes` takes
+        self.linear_shape = (len(linear), conv_dim, kernel, hv, dk, dv)
         self.conv_state = torch.zeros(len(linear), self.max_slots, conv_dim, kernel - 1, dtype=self.dtype,
                                       device=self.device)
         self.rec_state = torch.zeros(len(linear), self.max_slots, hv, dk, dv, dtype=torch.float32, device=self.device)
