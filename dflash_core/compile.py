@@ -6,12 +6,18 @@ attends over to a power of two (`kv_bucket`), capped at the cache's columns. A b
 through `torch.compile`; on CUDA `mode="reduce-overhead"` records a CUDA graph per shape, so a step is one graph
 replay instead of hundreds of kernel launches. Prefill (long, ragged prompts) stays eager.
 
-The batch, width and key-length dimensions are marked dynamic (`maybe_mark_dynamic`), so inductor compiles a
-handful of graphs (a dimension of size 1, or one whose size minus one is 1, is specialised) instead of one per
-bucket, and a context growing past a key bucket recompiles nothing. CUDA graphs are still recorded per concrete
-shape, and `mode="reduce-overhead"` records a shape on its second call (the first warms it up): so warm-up calls
-every (batch, width, key bucket) shape `WARM_UP_CALLS_CUDA` times on CUDA, and elsewhere each (batch, width) once at
-the smallest key bucket (what compiles; the other key buckets reuse those graphs). `StepFunction` clones a compiled
+The batch, width and key-length dimensions are marked dynamic (`maybe_mark_dynamic`), and no bucket is 1: dynamo
+specialises a dimension of size 1 (a graph of its own for each such case of each dimension, and inductor's
+decompositions branch on it), so a batch of 1 or a width of 1 is padded to 2 (`MIN_BUCKET`). Inductor then compiles
+ONE graph per step function for every bucket, and a context growing past a key bucket recompiles nothing. What
+start-up costs is one trace and one compile per step function (the target's verify, the draft's proposal);
+`--compile-cache` keeps the compiled code for the next start. The padding is cheap where compiling is the default:
+on a GPU a step at batch 1 reads every weight once whether it carries 1 token or 4.
+
+CUDA graphs are still recorded per concrete shape, and `mode="reduce-overhead"` records a shape on its second call
+(the first warms it up): so warm-up calls every (batch, width, key bucket) shape `WARM_UP_CALLS_CUDA` times on CUDA,
+and elsewhere each (batch, width) once at the smallest key bucket (the first call compiles; the rest check that
+nothing more does). `StepFunction` clones a compiled
 step's outputs on CUDA, since the next replay overwrites the graph's output memory.
 
 Caches are written in place: a step writes its keys/values into per-layer cache tensors (graph inputs) with
@@ -36,14 +42,15 @@ __all__ = ["DEFAULT_WIDTHS", "StaticShapes", "StepFunction", "compile_enabled", 
 
 DEFAULT_WIDTHS = (1, 2, 4, 8, 16)  # the engine's verify widths (1 = a plain step)
 MIN_KV_BUCKET = 256
-RECOMPILE_LIMIT = 64  # per step function: a few graphs per (batch, width) class
+RECOMPILE_LIMIT = 64  # per step function: one graph is expected; a headroom before dynamo gives up
+MIN_BUCKET = 2  # the smallest batch or width bucket: dimensions of size 1 are specialised (one more graph each)
 WARM_UP_CALLS_CUDA = 3  # reduce-overhead: the first call warms a shape up, the second records it, the third replays
 
 
 def default_batch_sizes(max_slots: int) -> tuple[int, ...]:
-    """Powers of two up to the slot count, and the slot count itself: 1, 2, 4, 8 for 8 slots."""
-    sizes = {max_slots}
-    b = 1
+    """Powers of two from MIN_BUCKET up to the slot count, and the slot count itself: 2, 4, 8 for 8 slots."""
+    sizes = {max(MIN_BUCKET, max_slots)}
+    b = MIN_BUCKET
     while b < max_slots:
         sizes.add(b)
         b *= 2
@@ -96,6 +103,11 @@ class StaticShapes:
     compiled: bool = True
     mode: str | None = None  # torch.compile mode; None: "reduce-overhead" on CUDA, "default" elsewhere
     calls: Counter[tuple[int, int]] = field(default_factory=Counter)
+
+    def __post_init__(self) -> None:
+        # a bucket of 1 becomes MIN_BUCKET: one graph for every bucket (see the module docstring)
+        self.batch_sizes = tuple(sorted({max(MIN_BUCKET, s) for s in self.batch_sizes}))
+        self.widths = tuple(sorted({max(MIN_BUCKET, s) for s in self.widths}))
 
     def batch_bucket(self, b: int) -> int | None:
         return _bucket(self.batch_sizes, b)

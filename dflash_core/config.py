@@ -251,10 +251,12 @@ class EngineConfig:
         None, "pad decode steps (verify, plain, draft) to static shapes and torch.compile them, with CUDA graphs on "
         "CUDA (default: on for CUDA, off on CPU)")
     compile_batch_sizes: str | None = _setting(
-        None, "batch buckets of the compiled step, comma-separated; bigger batches run eagerly (default: powers of "
-        "two up to min(max_running_requests, 64), and that number: a CUDA graph per bucket and key length, so 256 "
-        "running requests do not mean compiling and holding 256-row graphs)")
-    compile_widths: str = _setting("1,2,4,8,16", "tokens-per-row buckets of the compiled step, comma-separated")
+        None, "batch buckets of the compiled step, comma-separated; bigger batches run eagerly, a bucket of 1 runs "
+        "as 2 (one compiled graph for every bucket) (default: powers of two from 2 up to "
+        "min(max_running_requests, 64), and that number: a CUDA graph per bucket and key length, so 256 running "
+        "requests do not mean compiling and holding 256-row graphs)")
+    compile_widths: str = _setting("2,4,8,16", "tokens-per-row buckets of the compiled step, comma-separated; a "
+                                   "plain step (1 token) runs in the bucket of 2 (one compiled graph for every bucket)")
     compile_cache: str | None = _setting(
         None, "directory of the on-disk compile cache (inductor's; TORCHINDUCTOR_CACHE_DIR): keep it across restarts "
         "and a restart with --compile reuses the compiled graphs (default: torch's, under the temp directory)")

@@ -6,8 +6,9 @@ What inductor made of it is checked too: its generated code allocates no buffer 
 writes are in place: one tensor per layer, written by `index_put_`), and after warm-up no step compiles anything
 (batch, width and key length are dynamic dimensions), while the contexts grow across every key bucket.
 
-Kept small for the suite's time: a 1-layer target and draft, batch buckets (2, 4) x two widths, so inductor
-compiles one graph per step function (each bucket is still its own shape, and on CUDA its own graph).
+Kept small for the suite's time: a 1-layer target and draft. Batch, width and key length are dynamic dimensions
+and a bucket of 1 is padded to 2, so inductor compiles ONE graph per step function for every bucket (each bucket is
+still its own shape, and on CUDA its own CUDA graph): the tests count it, with steps of one row and one token.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from dflash_core.runners.native import NativeTarget
 from dflash_core.transfer import count_transfers
 from tests.helpers import make_target
 
-BUCKETS = dict(batch_sizes=(2, 4), widths=(2, 4))
-ALL_BUCKETS = {(2, 2), (2, 4), (4, 2), (4, 4)}
+BUCKETS = dict(batch_sizes=(1, 2, 4), widths=(1, 2, 4))
+ALL_BUCKETS = {(2, 2), (2, 4), (4, 2), (4, 4)}  # batch 1 and width 1 run in the buckets of 2
 MAX_LEN = 600  # key buckets 256, 512 and 600 (the cap: max_len)
 
 
@@ -66,9 +67,11 @@ def _cache_sized(code: list[str], layer: torch.Tensor) -> list[str]:
 
 
 def _warm_up(runner: NativeTarget | DFlashDrafter, layer: torch.Tensor) -> None:
-    """Warm-up compiles the step; its generated code copies no cache layer."""
+    """Warm-up compiles the step: ONE graph for every bucket, whose generated code copies no cache layer."""
+    graphs = _graphs()
     _, code = run_and_get_code(runner.warm_up)
     assert code, "warm-up compiled nothing"
+    assert _graphs() == graphs + 1, "warm-up compiled more than one graph"
     assert _cache_sized(code, layer) == [], "the compiled step copies a cache-sized buffer"
 
 
@@ -84,7 +87,8 @@ def _target(model, static: StaticShapes | None = None) -> NativeTarget:
 
 def _verify_steps(runner: NativeTarget) -> list:
     """Prefill three requests, then verify steps of 2 and 3 rows (buckets 2 and 4) at widths 2 and 3 (2 and 4),
-    each followed by a rollback, as the engine does; twice more after a prefill takes the contexts past 256 keys,
+    and a plain step and a 2-wide verify of one row (batch 1, widths 1 and 2), each followed by a rollback, as the
+    engine does; twice more after a prefill takes the contexts past 256 keys,
     then past 512 (every key bucket, up to 608: a request's whole table). The requests' blocks are shuffled ids."""
     g = torch.Generator().manual_seed(0)
     ids = (torch.randperm(TARGET_BLOCKS - 1, generator=g) + 1).tolist()
@@ -95,7 +99,7 @@ def _verify_steps(runner: NativeTarget) -> list:
         for c, n in zip(caches, extend):
             runner.forward(torch.randint(4, 380, (n,), generator=g).tolist(), c.length, c, features=True,
                            last_only=True)
-        for rows_n, width in [(2, 2), (3, 3), (2, 3), (3, 2), (3, 3)]:
+        for rows_n, width in [(2, 2), (3, 3), (1, 1), (2, 3), (3, 2), (1, 2), (3, 3)]:
             rows = [(torch.randint(4, 380, (width,), generator=g).tolist(), c.length, c) for c in caches[:rows_n]]
             outs.append(runner.forward_batch(rows, features=True))
             for c in caches[:rows_n]:
@@ -114,8 +118,8 @@ def test_verify_compiled_equals_eager(model):
     with count_transfers() as counts:
         compiled = _verify_steps(runner)
     assert _graphs() == graphs  # nothing compiled after warm-up, at any key bucket
-    assert counts.h2d == 15  # a static step's inputs go to the device in one copy (prefills are eager)
-    assert set(shapes.calls) == ALL_BUCKETS and sum(shapes.calls.values()) == 15  # every step ran the static step
+    assert counts.h2d == 21  # a static step's inputs go to the device in one copy (prefills are eager)
+    assert set(shapes.calls) == ALL_BUCKETS and sum(shapes.calls.values()) == 21  # every step ran the static step
     for e_step, c_step in zip(eager, compiled, strict=True):
         for e, c in zip(e_step, c_step, strict=True):
             assert c.logits.shape == e.logits.shape and c.features.shape == e.features.shape
@@ -156,10 +160,10 @@ def test_verify_with_flex_kernel_equals_eager(model, device, monkeypatch):
     graphs = _graphs()
     compiled = _verify_steps(runner)
     assert _graphs() == graphs  # nothing compiled after warm-up, at any key bucket
-    assert set(shapes.calls) == {(2, 4), (4, 4)} and sum(shapes.calls.values()) == 15
+    assert set(shapes.calls) == {(2, 4), (4, 4)} and sum(shapes.calls.values()) == 21
     keys, calls = shapes.warm_up_keys(runner.device, step.cap)
     # one mask per step (warm-up's too), never inside a compiled region
-    assert len(built) == 2 * len(keys) * calls + 15 and not any(built)
+    assert len(built) == 2 * len(keys) * calls + 21 and not any(built)
     for e_step, c_step in zip(eager, compiled, strict=True):
         for e, c in zip(e_step, c_step, strict=True):
             assert torch.equal(c.logits.argmax(-1), e.logits.argmax(-1))
@@ -171,14 +175,15 @@ def test_verify_with_flex_kernel_equals_eager(model, device, monkeypatch):
 # or 7 tokens (block widths 4 and 8) for 2 and 3 requests (batch buckets 2 and 4); 250 or 260 rows take the
 # contexts to the next key bucket (more rows than a block: the drafter writes all but the last 1..8 of them to its
 # cache at once, so the proposal after them still fits a context bucket).
-_DRAFT_STEPS = [(3, 3, 2), (2, 7, 3), (3, 7, 250), (3, 3, 2), (2, 3, 260), (3, 7, 2), (2, 3, 2), (3, 3, 2)]
+_DRAFT_STEPS = [(3, 3, 2), (2, 7, 3), (1, 1, 1), (1, 3, 2), (3, 7, 250), (3, 3, 2), (2, 3, 260), (3, 7, 2), (2, 3, 2),
+                (3, 3, 2)]
 
 
 def _proposals(model, draft, static: StaticShapes | None) -> list:
     """A batched drafter fed the same features: the prompts' (longer than a block: written to the cache before the
-    first proposal, all but the last rows), then the steps of `_DRAFT_STEPS`. Widths above 2 and contexts above 1
-    row: a block of 2 (one proposal) or a context of 1 row would be one more graph to compile (dimensions of 1 are
-    specialised), and the suite's time counts. The draft's pages are the target's block-id space; the requests'
+    first proposal, all but the last rows), then the steps of `_DRAFT_STEPS`: one request proposing one token (a
+    block of 2) and a context of one row among them, padded to buckets of 2 (the one graph serves them).
+    The draft's pages are the target's block-id space; the requests'
     tables are shuffled ids."""
     drafter = DFlashDrafter(draft, _target(model), block_size=8, max_slots=4, max_len=MAX_LEN, static=static)
     assert drafter.pages is not None and drafter.pages.k[0].shape[0] == TARGET_BLOCKS * KV_BLOCK
@@ -212,11 +217,12 @@ def _proposals(model, draft, static: StaticShapes | None) -> list:
 
 def test_draft_compiled_equals_eager(model, draft):
     eager = _proposals(model, draft, None)
-    shapes = StaticShapes(batch_sizes=(2, 4), widths=(4, 8), compiled=True)
+    shapes = StaticShapes(batch_sizes=(1, 2, 4), widths=(1, 2, 4, 8), compiled=True)
     compiled = _proposals(model, draft, shapes)
     # every step ran the compiled step, the first and those after the long contexts too (their context rows were
     # written as they came: the proposal carries at most a block of them)
-    assert set(shapes.calls) == {(2, 4), (2, 8), (4, 4), (4, 8)} and sum(shapes.calls.values()) == len(_DRAFT_STEPS)
+    assert set(shapes.calls) == {(2, 2), (2, 4), (2, 8), (4, 4), (4, 8)}
+    assert sum(shapes.calls.values()) == len(_DRAFT_STEPS)
     for e_step, c_step in zip(eager, compiled, strict=True):
         for e, c in zip(e_step, c_step, strict=True):
             assert c.tokens == e.tokens
@@ -224,7 +230,11 @@ def test_draft_compiled_equals_eager(model, draft):
 
 
 def test_buckets_and_sizes():
-    assert default_batch_sizes(8) == (1, 2, 4, 8) and default_batch_sizes(6) == (1, 2, 4, 6)
+    assert default_batch_sizes(8) == (2, 4, 8) and default_batch_sizes(6) == (2, 4, 6)
+    assert default_batch_sizes(1) == (2,)
+    shapes = StaticShapes((1, 2, 8), (1, 4))  # 1 is padded to 2: a dimension of 1 would be a graph of its own
+    assert shapes.batch_sizes == (2, 8) and shapes.widths == (2, 4)
+    assert shapes.batch_bucket(1) == 2 and shapes.width_bucket(1) == 2 and shapes.batch_bucket(9) is None
     assert parse_sizes("16, 4,1,4", "compile_batch_sizes") == (1, 4, 16)
     with pytest.raises(ValueError, match="compile_batch_sizes"):
         parse_sizes("0,2", "compile_batch_sizes")
@@ -237,3 +247,43 @@ def test_buckets_and_sizes():
     assert StaticShapes((2,)).warm_up_keys(torch.device("cpu"), 600) == ((256,), 1)
     shapes = StaticShapes((1, 4), (1, 2, 4, 8, 16))
     assert shapes.batch_bucket(3) == 4 and shapes.batch_bucket(5) is None and shapes.width_bucket(5) == 8
+
+
+def _engine(model, draft, static: bool, num_blocks: int, prefix: bool):
+    """An engine over the 1-layer pair on a pool of `num_blocks` blocks; its steps compiled (`static`) or eager."""
+    from dflash_core.engine import Engine
+
+    def shapes() -> StaticShapes | None:
+        return StaticShapes(batch_sizes=(1, 2, 4), widths=(1, 2, 4, 8), compiled=True) if static else None
+
+    target = NativeTarget(model, [0], max_slots=4, max_len=MAX_LEN, static=shapes(), num_blocks=num_blocks,
+                          kv_block=KV_BLOCK)
+    drafter = DFlashDrafter(draft, target, block_size=8, max_slots=4, max_len=MAX_LEN, static=shapes())
+    return Engine(target, drafter, speculation="fixed", enable_prefix_caching=prefix)
+
+
+def test_engine_compiled_with_prefix_caching_and_preemption_equals_eager(model, draft):
+    """`--compile` through the engine: six requests of ~500 tokens behind a shared 100-token prefix, greedy and
+    seeded, on a pool too small for four of them at once (preemption) and with prefix caching on, give the eager
+    engine's tokens (roomy pool, caching off), and nothing compiles after warm-up. The pool has the other tests'
+    block count, so its compiled graphs are theirs (inductor's cache hits)."""
+    from dflash_core.generate import run_to_completion
+    from dflash_core.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(4, 380, (100,), generator=g).tolist()
+    prompts = [prefix + torch.randint(4, 380, (400 + 7 * i,), generator=g).tolist() for i in range(6)]
+    params = [SamplingParams(max_tokens=40, ignore_eos=True, **(dict(temperature=0.8, seed=i) if i % 2 else {}))
+              for i in range(6)]
+    eager = run_to_completion(_engine(model, draft, False, 6 * 40, prefix=False), prompts, params)
+    compiled = _engine(model, draft, True, TARGET_BLOCKS, prefix=True)  # 118 blocks; a request takes ~28
+    compiled.warm_up()
+    graphs = _graphs()
+    first = run_to_completion(compiled, prompts, params)
+    again = run_to_completion(compiled, prompts, params)  # the prompts' full blocks now come from the cache
+    assert _graphs() == graphs  # nothing compiled while serving
+    want = [o.token_ids for o in eager]
+    assert [o.token_ids for o in first] == want and [o.token_ids for o in again] == want
+    stats = compiled.kv_stats()
+    assert stats.preemptions > 0 and stats.prefix_hits >= 6 * 96
+    assert sum(o.stats.cached_tokens for o in again) >= 6 * 96

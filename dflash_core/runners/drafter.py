@@ -202,17 +202,23 @@ class DFlashDrafter(Drafter):
         self, block: torch.Tensor, block_pos: torch.Tensor, ctx: torch.Tensor | None, ctx_pos: torch.Tensor | None,
         cache: DraftKVCache | PagedBatch, lens: dict[str, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target ids and probabilities [b, w - 1] of the draft's argmax after each block's first token."""
+        """Target ids and probabilities [b, w] of the draft's argmax at each position of the block; column 0 (the
+        block's first token, already known) is not a proposal and `_read_back` skips it: a [b, w - 1] output of
+        a compiled step would specialise w = 2 (dimensions of size 1 are), a graph of its own."""
         emb = self.draft.embed(block, self.target.embed_weight)
         hidden = self.draft(emb, block_pos, ctx, ctx_pos, cache, **lens)
-        logits = self.draft.logits(hidden[:, 1:], self.target.lm_head_weight)
-        prob, best = torch.softmax(logits.float(), dim=-1).max(dim=-1)
-        return self.draft.target_ids(best), prob
+        b, w = block.shape
+        # every row of the block, flattened to 2-D (a view): a 3-D matmul, or a reshape of sliced rows, decides its
+        # path on whether a dimension is 1
+        rows = hidden.reshape(b * w, hidden.shape[-1])
+        prob, best = torch.softmax(self.draft.logits(rows, self.target.lm_head_weight).float(), dim=-1).max(dim=-1)
+        return self.draft.target_ids(best.view(b, w)), prob.view(b, w)
 
     @staticmethod
     def _read_back(best: torch.Tensor, prob: torch.Tensor, items: Sequence[DraftRequest]) -> list[Proposal]:
         both = to_host(torch.stack([best.to(torch.float64), prob.to(torch.float64)]))  # one transfer
-        return [Proposal([int(t) for t in both[0][r][:n]], both[1][r][:n]) for r, (*_, n) in enumerate(items)]
+        return [Proposal([int(t) for t in both[0][r][1 : n + 1]], both[1][r][1 : n + 1])
+                for r, (*_, n) in enumerate(items)]
 
     def _propose_single(self, item: DraftRequest) -> Proposal:
         """One request over its per-request cache (appended; rolled back on failure)."""
@@ -289,8 +295,8 @@ class DFlashDrafter(Drafter):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The padded proposal: block ids / positions [b, w], new context features [b, c, F] at ctx_pos [b, c]
         written to ctx_rows [b, c], block_len [b], block tables [b, M] (M blocks: the key bucket, or the window's)
-        whose first column is block `base` [b] of the request. Target ids and probabilities [b, w - 1]. A row's
-        context length is its block's first position."""
+        whose first column is block `base` [b] of the request. Target ids and probabilities [b, w] (column 0: no
+        proposal). A row's context length is its block's first position."""
         assert self.pages is not None
         lens = dict(ctx_len=block_pos[:, 0], block_len=block_len)
         if self.window is not None:
