@@ -49,7 +49,9 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if models is not None:
+        if state.worker is not None:
+            pass  # installed by the caller before the app started (a Ray replica warms up inside its __init__)
+        elif models is not None:
             state.install(models)
         else:
             threading.Thread(target=state.load, args=(on_load_error,), name="dflash-load", daemon=True).start()

@@ -148,26 +148,36 @@ def _replica_class() -> type:
             context = serve.get_replica_context()
             self.replica_id = context.replica_tag
             self.settings = settings
-            # the replica is not up before its models are: the proxy never routes to a loading replica
+            # the replica is not up before its models are loaded AND warmed up: the proxy never routes to a
+            # loading replica. The warm-up runs on the worker thread that will serve (recorded CUDA graphs are per
+            # thread), so the app's state starts its worker here and this waits for it.
+            from server.app import create_app
+
             try:
-                self.models = await asyncio.to_thread(load_models, EngineConfig.from_settings(settings))
+                models = await asyncio.to_thread(load_models, EngineConfig.from_settings(settings), False)
+                self.asgi_app = create_app(settings, models=models)  # not `self.app`: a property of Ray's ingress
+                self.state = self.asgi_app.state.dflash
+                self.state.install(models, warm_up=True)
+                while not self.state.ready:
+                    if self.state.load_error is not None or not self.state.worker.is_alive():
+                        raise RuntimeError(self.state.load_error or "the worker thread ended during its warm-up")
+                    await asyncio.sleep(0.1)
             except Exception as e:
                 # one line in the driver's log (Ray retries, then fails the deploy with its own traceback)
                 log.error("replica %s: loading the models failed: %s", self.replica_id,
                           " ".join(f"{type(e).__name__}: {e}".split()))
+                if self.state is not None and self.state.worker is not None:
+                    self.state.worker.stop()
                 raise
+            self.asgi_app.add_middleware(ReplicaHeader, replica_id=self.replica_id)
             self.metrics_port = metrics_port + context.rank.local_rank if metrics_port else 0
 
         def __serve_build_asgi_app__(self) -> Any:
-            """The dflash-serve app over this replica's models (Ray runs its lifespan: the worker starts)."""
-            from server.app import create_app
-
-            app = create_app(self.settings, models=self.models)
-            app.add_middleware(ReplicaHeader, replica_id=self.replica_id)
-            self.state = app.state.dflash
+            """The dflash-serve app over this replica's models, its worker warmed up in ``__init__`` (Ray runs the
+            app's lifespan, which then has nothing to start)."""
             if self.metrics_port:
                 self._serve_metrics(self.metrics_port)
-            return app
+            return self.asgi_app
 
         def _serve_metrics(self, port: int) -> None:
             """This replica's registry on ``host:port`` (a thread of prometheus_client)."""

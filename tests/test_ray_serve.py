@@ -140,7 +140,8 @@ def _start(tmp: Path) -> RayServer:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", RAY_USAGE_STATS_ENABLED="0",
                # Serve runs actors only: idle task workers started ahead would just compete for the 2 cores
-               RAY_prestart_worker_first_driver="0", RAY_enable_worker_prestart="0")
+               RAY_prestart_worker_first_driver="0", RAY_enable_worker_prestart="0",
+               RAY_DEDUP_LOGS="0")  # every replica's lines in the log, not "[repeated 2x across cluster]"
     log = tmp / "ray-serve.log"
     args = [
         "--replicas", "2", "--ray-num-cpus", "2", "--replica-cpus", "1", "--replica-metrics-port", str(metrics_port),
@@ -235,6 +236,13 @@ def test_deployment_options_tie_ray_to_the_engine_queue() -> None:
     fixed = deployment_options(*parse_args(["--replicas", "3", "--device", "cuda", "--replica-cpus", "4"]))
     assert fixed["num_replicas"] == 3 and fixed["ray_actor_options"] == {"num_cpus": 4.0, "num_gpus": 1.0}
     assert "autoscaling_config" not in fixed
+
+
+def test_each_replica_warms_up_on_the_thread_that_serves(ray_server: RayServer) -> None:
+    """A replica is up only once its worker thread has run `Engine.warm_up` (recorded CUDA graphs are per thread:
+    a warm-up on the loading thread would leave the serving thread to record them again mid-traffic)."""
+    text = ray_server.log.read_text(errors="replace")
+    assert len(re.findall(r"warmed up on the worker thread in [0-9.]+ s", text)) >= 2, log_tail(ray_server.log)
 
 
 def test_two_replicas_share_16_concurrent_requests_with_single_server_outputs(ray_server: RayServer) -> None:
