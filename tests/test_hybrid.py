@@ -177,3 +177,25 @@ def test_attention_layers_on_shuffled_pages_and_no_prefix_hits(model: torch.nn.M
     assert target.prefix_cacheable and target.kv_block_size == 16
     with pytest.raises(ValueError, match="cached"):
         target.new_cache(0, None, cached=16)
+
+
+def test_every_prefill_chunk_takes_the_chunked_rule_and_stays_exact(model: torch.nn.Module, refs: dict) -> None:
+    """Prompts prefilled 16 tokens at a time: every chunk after the first runs transformers' chunked delta rule from
+    the row's state (not the token-by-token recurrence of verify steps), and the text still equals transformers'
+    greedy `generate`."""
+    target = runner(model)
+    rule, calls = target._chunk_rule, []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["initial_state"] is not None)
+        return rule(*args, **kwargs)
+
+    target._chunk_rule = counted
+    engine = Engine(target, None, eos_token_ids=[], prefill_chunk=16)
+    for prompt, want in refs.items():
+        calls.clear()
+        rid = engine.add_request(list(prompt), SamplingParams(max_tokens=NEW))
+        assert tokens(run_all(engine)[rid]) == want
+        chunks = -(-len(prompt) // 16)
+        assert len(calls) == chunks * len(target.linear_index)  # one chunked call per chunk and linear layer
+        assert sum(calls) == (chunks - 1) * len(target.linear_index)  # every later chunk from the row's state

@@ -23,9 +23,11 @@ first `length - start` tokens only, with the same operations in the same order, 
 feeding the accepted prefix alone would have left; no second target forward runs. A prefill records only its
 starting point: it can be rolled back to it (a retry), not into its middle.
 
-Prefill uses transformers' chunked delta-rule function (as transformers' own prefill does); verify and decode
-steps use the token-by-token recurrence in torch (as transformers' own decode does without the fla / causal-conv1d
-kernels), so outputs match `generate` run with transformers' torch implementations.
+Prefill uses transformers' chunked delta-rule function (as transformers' own prefill does), from the row's state
+for a later chunk of a long prompt or the suffix after a prefix-cache hit (a forward read at its last row only:
+nothing rolls it back into its middle); verify and decode steps use the token-by-token recurrence in torch (as
+transformers' own decode does without the fla / causal-conv1d kernels), so outputs match `generate` run with
+transformers' torch implementations.
 
 Memory (`dflash_core.hybrid_state`, which the memory plan and `dflash-bench memory` count with too): each running
 request holds its state twice (live, and the copy its last forward recorded for rollback). With checkpointing, it
@@ -117,6 +119,7 @@ class HybridTarget(NativeTarget):
     ragged = False  # the Gated DeltaNet mixers run per row over [b, n]
     prefix_cacheable = True  # a hit resumes from a state checkpoint at its last block (see the module docstring)
     checkpointing = False  # keep each request's state at its last block boundary (the KV manager turns it on)
+    _chunked = False  # the running forward is a prefill (logits of its last row only): the chunked rule
 
     model_types = HYBRID_MODEL_TYPES
 
@@ -245,6 +248,9 @@ class HybridTarget(NativeTarget):
             cache.pending, cache.pending_pos = {}, None
             if self.checkpointing and (start + len(tokens)) // kvb * kvb > start:  # it passes a block boundary
                 cache.pending_pos = (start + len(tokens)) // kvb * kvb
+        # logits read at the last row only: a prefill (or a chunk of one), never rolled back into its middle, since
+        # no row's choice is checked against a draft; a single row then takes the chunked rule from its state
+        self._chunked = last_only
         return super().forward_batch(rows, features, last_only)
 
     def _mix(self, li: int, layer: nn.Module, x: torch.Tensor, batch: Batch, rope: Rope) -> torch.Tensor:
@@ -284,18 +290,21 @@ class HybridTarget(NativeTarget):
         # checkpointing: the token count after which each row passes its last block boundary (None: it does not)
         cuts = [None if c.pending_pos is None else c.pending_pos - s for _, s, c in batch.rows]
         marks: dict[int, torch.Tensor] = {}
-        if b == 1 and int(batch.rows[0][1]) == 0:  # a prefill: transformers' chunked rule, as its own prefill
+        fresh = int(batch.rows[0][1]) == 0
+        if b == 1 and (fresh or self._chunked):  # a prefill: transformers' chunked rule, as its own prefill
+            # from the row's state: a later chunk of a long prompt, or the suffix after a prefix-cache hit
+            init = None if fresh else state0
             cut = cuts[0]
             if cut is not None and cut < n:  # split at the boundary: the state there comes out of the first part
                 head, mid = self._chunk_rule(q[:, :cut], k[:, :cut], v[:, :cut], g=g[:, :cut], beta=beta[:, :cut],
-                                             initial_state=None, output_final_state=True,
+                                             initial_state=init, output_final_state=True,
                                              use_qk_l2norm_in_kernel=True)
                 tail, state = self._chunk_rule(q[:, cut:], k[:, cut:], v[:, cut:], g=g[:, cut:], beta=beta[:, cut:],
                                                initial_state=mid, output_final_state=True,
                                                use_qk_l2norm_in_kernel=True)
                 core, marks[0] = torch.cat([head, tail], dim=1), mid[0]
             else:
-                core, state = self._chunk_rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=True,
+                core, state = self._chunk_rule(q, k, v, g=g, beta=beta, initial_state=init, output_final_state=True,
                                                use_qk_l2norm_in_kernel=True)
                 if cut is not None:
                     marks[0] = state[0]
