@@ -9,7 +9,8 @@ replay instead of hundreds of kernel launches. Prefill (long, ragged prompts) st
 The batch, width and key-length dimensions are marked dynamic (`maybe_mark_dynamic`), and no bucket is 1: dynamo
 specialises a dimension of size 1 (a graph of its own for each such case of each dimension, and inductor's
 decompositions branch on it), so a batch of 1 or a width of 1 is padded to 2 (`MIN_BUCKET`). Inductor then compiles
-ONE graph per step function for every bucket, and a context growing past a key bucket recompiles nothing. What
+ONE graph per step function for every bucket (with the flex attention kernel, the target's step one per width
+bucket: its BlockMask's query length is a constant), and a context growing past a key bucket recompiles nothing. What
 start-up costs is one trace and one compile per step function (the target's verify, the draft's proposal);
 `--compile-cache` keeps the compiled code for the next start. The padding is cheap where compiling is the default:
 on a GPU a step at batch 1 reads every weight once whether it carries 1 token or 4.
@@ -40,7 +41,7 @@ from dflash_core.config import parse_sizes
 __all__ = ["DEFAULT_WIDTHS", "StaticShapes", "StepFunction", "compile_enabled", "default_batch_sizes", "key_buckets",
            "kv_bucket", "parse_sizes", "timed_warm_up", "use_compile_cache"]
 
-DEFAULT_WIDTHS = (1, 2, 4, 8, 16)  # the engine's verify widths (1 = a plain step)
+DEFAULT_WIDTHS = (1, 2, 4, 8, 16)  # the engine's verify widths (1 = a plain step, run in the bucket of 2)
 MIN_KV_BUCKET = 256
 RECOMPILE_LIMIT = 64  # per step function: one graph is expected; a headroom before dynamo gives up
 MIN_BUCKET = 2  # the smallest batch or width bucket: dimensions of size 1 are specialised (one more graph each)

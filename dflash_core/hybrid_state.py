@@ -11,6 +11,11 @@ channels, model dtype) and recurrent state (`[value heads, key dim, value dim]`,
   the pending boundary state of a forward not yet accepted (`HybridSlot.pending`), and the checkpoint the engine
   keeps until its block enters the prefix index (`RequestKV.deferred`, `dflash_core.kv.requests`).
 The KV manager's `CheckpointStore` holds at most `checkpoint_limits(max_slots, checkpoint)` on top.
+
+And while a verify (or decode) step may still be rolled back, a running request holds its records: per linear
+layer and token, the convolution input (`conv_dim`, model dtype) and the recurrence's key, value, decay and beta
+(float32, keys repeated to the value heads) — `record_nbytes` a token, for at most the verify's width (the DFlash
+block). Prefills record nothing (the chunked rule; nothing rolls a prefill back into its middle).
 """
 
 from __future__ import annotations
@@ -27,6 +32,15 @@ def checkpoint_nbytes(linear_layers: int, conv_dim: int, kernel: int, value_head
     return linear_layers * (conv_dim * (kernel - 1) * dtype_bytes + value_heads * key_dim * value_dim * 4)
 
 
+def record_nbytes(linear_layers: int, conv_dim: int, kernel: int, value_heads: int, key_dim: int, value_dim: int,
+                  dtype_bytes: int) -> int:
+    """Bytes a verify step records per token for rollback: every linear layer's convolution input (`conv_dim`,
+    `dtype_bytes` each) and its key, value, decay and beta per value head (float32). `kernel` is unused (the same
+    shape tuple as `checkpoint_nbytes`)."""
+    del kernel
+    return linear_layers * (conv_dim * dtype_bytes + value_heads * (key_dim + value_dim + 2) * 4)
+
+
 def checkpoint_limits(max_slots: int, checkpoint: int) -> tuple[int, int]:
     """(count, bytes) of the KV manager's checkpoint store: one state per two slots, at least 4. A checkpoint
     pays when the next turn of a recently served conversation (or a preempted request) comes back while its blocks
@@ -36,8 +50,8 @@ def checkpoint_limits(max_slots: int, checkpoint: int) -> tuple[int, int]:
     return count, count * checkpoint
 
 
-def request_state_bytes(checkpoint: int, checkpointing: bool) -> int:
+def request_state_bytes(checkpoint: int, checkpointing: bool, records: int = 0) -> int:
     """Bytes of state one running request holds at most: ROLLBACK_COPIES, plus REQUEST_CHECKPOINTS with
-    checkpointing on (see the module docstring)."""
-    return (ROLLBACK_COPIES + (REQUEST_CHECKPOINTS if checkpointing else 0)) * checkpoint
+    checkpointing on, plus `records` (its verify step's rollback records; see the module docstring)."""
+    return (ROLLBACK_COPIES + (REQUEST_CHECKPOINTS if checkpointing else 0)) * checkpoint + records
 

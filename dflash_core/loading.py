@@ -234,7 +234,7 @@ def pool_costs(
     if draft_cfg is not None:
         draft_row = 2 * draft_cfg.num_hidden_layers * draft_cfg.num_key_value_heads * int(draft_cfg.head_dim) * nbytes
     return PoolCosts(kv_bytes_per_row(shape, nbytes), draft_row, kv_block=kv_block, extra_len=block + 1,
-                     **pool_state_costs(shape, nbytes, prefix_caching))
+                     **pool_state_costs(shape, nbytes, prefix_caching, verify_tokens=block))
 
 
 def paged(model: Any, backend: str) -> bool:

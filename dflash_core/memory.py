@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_core.hybrid_state import checkpoint_limits, checkpoint_nbytes, request_state_bytes
+from dflash_core.hybrid_state import checkpoint_limits, checkpoint_nbytes, record_nbytes, request_state_bytes
 
 GB = 1e9
 GIB = 1 << 30
@@ -54,8 +54,10 @@ def parse_bytes(value: str | int | float) -> int:
 
 
 def format_bytes(n: float) -> str:
-    """Bytes as GB (1e9) with two decimals, or MB below 0.1 GB."""
-    return f"{n / GB:.2f} GB" if n >= 0.1 * GB else f"{n / 1e6:.1f} MB"
+    """Bytes as GB (1e9) with two decimals, MB below 0.1 GB, KB below 0.1 MB."""
+    if n >= 0.1 * GB:
+        return f"{n / GB:.2f} GB"
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} KB"
 
 
 # ---- shapes ----
@@ -95,11 +97,21 @@ def checkpoint_bytes(m: dict[str, Any], dtype_bytes: int) -> int:
     return checkpoint_nbytes(linear, *linear_dims(m), dtype_bytes)
 
 
-def state_bytes_per_slot(m: dict[str, Any], dtype_bytes: int, prefix_caching: bool = False) -> int:
+def record_bytes(m: dict[str, Any], dtype_bytes: int, tokens: int) -> int:
+    """The rollback records of a verify step of `tokens` tokens (`dflash_core.hybrid_state.record_nbytes`); 0
+    without Gated DeltaNet layers."""
+    linear = sum(kind == "linear_attention" for kind in layer_types(m))
+    return tokens * record_nbytes(linear, *linear_dims(m), dtype_bytes) if linear else 0
+
+
+def state_bytes_per_slot(m: dict[str, Any], dtype_bytes: int, prefix_caching: bool = False,
+                         verify_tokens: int = 1) -> int:
     """A running request's fixed-size state in Gated DeltaNet layers, at most: the live state and the copy a verify
-    step records for rollback, plus with prefix caching the checkpoint copies it holds (marks, a pending boundary
-    state, a deferred checkpoint: `dflash_core.hybrid_state.request_state_bytes`); 0 without such layers."""
-    return request_state_bytes(checkpoint_bytes(m, dtype_bytes), prefix_caching)
+    step records for rollback, with prefix caching the checkpoint copies it holds (marks, a pending boundary
+    state, a deferred checkpoint), and the records of a verify step of `verify_tokens` tokens (the DFlash block):
+    `dflash_core.hybrid_state.request_state_bytes`; 0 without such layers."""
+    return request_state_bytes(checkpoint_bytes(m, dtype_bytes), prefix_caching,
+                               record_bytes(m, dtype_bytes, verify_tokens))
 
 
 def normalize_shape(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -156,11 +168,13 @@ class PoolCosts:
         return slots * self.state + self.store_bytes(slots)
 
 
-def pool_state_costs(m: dict[str, Any], dtype_bytes: int, prefix_caching: bool) -> dict[str, int]:
+def pool_state_costs(m: dict[str, Any], dtype_bytes: int, prefix_caching: bool, verify_tokens: int) -> dict[str, int]:
     """A target's `state` and `checkpoint` fields of PoolCosts, from its config: the state a running request holds
-    at most, and with prefix caching on the store's checkpoint size (0 off: no store, no checkpoint copies)."""
+    at most (its verify step of `verify_tokens` tokens recorded), and with prefix caching on the store's checkpoint
+    size (0 off: no store, no checkpoint copies)."""
     one = checkpoint_bytes(m, dtype_bytes)
-    return {"state": request_state_bytes(one, prefix_caching), "checkpoint": one if prefix_caching else 0}
+    return {"state": state_bytes_per_slot(m, dtype_bytes, prefix_caching, verify_tokens),
+            "checkpoint": one if prefix_caching else 0}
 
 
 @dataclass(frozen=True)
@@ -250,9 +264,10 @@ def plan_memory(
         if fit < 1:
             store = (f" and the state checkpoints' {format_bytes(costs.store_bytes(1))}"
                      if costs.checkpoint else "")
+            off = " or --no-enable-prefix-caching (no checkpoint copies, no store)" if costs.checkpoint else ""
             raise ValueError(
                 f"one request's recurrent state takes {format_bytes(costs.state)}{store}, more than half of the "
-                f"{format_bytes(cache_budget)} that {source} leaves for caches; {_raise_hint(source)}")
+                f"{format_bytes(cache_budget)} that {source} leaves for caches; {_raise_hint(source)}{off}")
         if fit < slots:
             store = " and the state checkpoints" if costs.checkpoint else ""
             notes.append(f"running requests capped at {fit} (max_num_seqs {slots}): their recurrent states "

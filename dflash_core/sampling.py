@@ -211,6 +211,10 @@ def token_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> 
 
 
 _CPU_SLICE = 1 << 16  # elements of [rows, V] per slice of a draw on the CPU: cache-resident, about twice as fast
+# elements of [rows, V] per draw at most (more: slices of rows): on an accelerator, where a draw is one pass over the
+# vocabulary, its int64 / float64 temporaries (about 3.5 x 8 bytes an element) stay near 0.5 GB beside the logits
+# whatever the step's rows (2,048 x 151,936 at once would take ~9 GB)
+_DRAW_ELEMENTS = 1 << 24
 
 
 def race_choice(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -219,9 +223,14 @@ def race_choice(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tenso
 
     Computed as the argmin of p_i / log u_i (= -p_i / E_i): a zero-probability token scores 0 and never wins, since
     a row's most likely token (p >= 1/V) scores below 0. One pass over the vocabulary on an accelerator; on the CPU
-    in slices of columns that stay in cache, the first minimum kept across slices (the same token as one argmin).
+    in slices of columns that stay in cache, the first minimum kept across slices (the same token as one argmin);
+    and in slices of rows beyond `_DRAW_ELEMENTS` elements (each row's draw is its own).
     """
     rows, vocab = probs.shape
+    if rows * vocab > _DRAW_ELEMENTS:  # a bounded workspace: slices of rows
+        step = max(1, _DRAW_ELEMENTS // vocab)
+        return torch.cat([race_choice(probs[i : i + step], seeds[i : i + step], positions[i : i + step])
+                          for i in range(0, rows, step)])
     keys = _keys(seeds, positions)
     width = max(1, _CPU_SLICE // max(rows, 1)) if probs.device.type == "cpu" else vocab
     best = choice = None

@@ -317,15 +317,19 @@ def test_memory_estimate_of_hybrid_and_moe_presets(tmp_path: Path, capsys: pytes
     # per running request: live + rollback copy, and with prefix caching (the preset's) up to 4 checkpoint copies
     # (2 marks, the pending boundary state, the deferred checkpoint); the store: max(4, running // 2) checkpoints
     assert est["enable_prefix_caching"] and est["checkpoint_bytes"] == one and est["request_checkpoints"] == 4
-    assert est["state_bytes_per_request"] == (2 + 4) * one
+    # and the rollback records of a block-wide verify (16 tokens): per layer and token the convolution input (8192
+    # bf16 channels) and the key, value, decay and beta of each of the 32 value heads (float32)
+    records = 16 * 24 * (8192 * 2 + 32 * (128 + 128 + 2) * 4)
+    assert est["record_bytes_per_request"] == records
+    assert est["state_bytes_per_request"] == (2 + 4) * one + records
     card = est["cards"]["48 GB"]  # states and store take at most half of the budget: fewer than 256 run
 
     def running(budget: int, per_request: int, store: bool) -> int:  # the largest cap whose states fit half
         return max(n for n in range(1, 257) if n * per_request + (max(4, n // 2) * one if store else 0)
                    <= budget // 2)
 
-    assert card["fits"] and card["running"] == running(card["cache_budget"], 6 * one, True) < 256
-    assert card["target_state_bytes"] == card["running"] * 6 * one
+    assert card["fits"] and card["running"] == running(card["cache_budget"], 6 * one + records, True) < 256
+    assert card["target_state_bytes"] == card["running"] * (6 * one + records)
     assert card["checkpoint_store_count"] == max(4, card["running"] // 2)
     assert card["checkpoint_store_bytes"] == card["checkpoint_store_count"] * one
     assert card["num_blocks"] == ((card["cache_budget"] - card["target_state_bytes"] - card["checkpoint_store_bytes"])
@@ -334,9 +338,9 @@ def test_memory_estimate_of_hybrid_and_moe_presets(tmp_path: Path, capsys: pytes
     off = bench.memory_estimate("Qwen/Qwen3.5-9B", "z-lab/Qwen3.5-9B-DFlash", max_model_len=8192,
                                 enable_prefix_caching=False)
     off_card = off["cards"]["48 GB"]
-    assert off["state_bytes_per_request"] == 2 * one and off["request_checkpoints"] == 0
-    assert off_card["running"] == running(off_card["cache_budget"], 2 * one, False) > card["running"]
-    assert off_card["target_state_bytes"] == off_card["running"] * 2 * one
+    assert off["state_bytes_per_request"] == 2 * one + records and off["request_checkpoints"] == 0
+    assert off_card["running"] == running(off_card["cache_budget"], 2 * one + records, False) > card["running"]
+    assert off_card["target_state_bytes"] == off_card["running"] * (2 * one + records)
     assert off_card["checkpoint_store_bytes"] == off_card["checkpoint_store_count"] == 0
     assert not est["cards"]["24 GB"]["fits"] and est["cards"]["24 GB"]["why"] == "weights"
     assert bench.memory_from_preset(REPO / "configs" / "qwen3.5-27b.yaml")["target_params"] == 26_895_998_464
@@ -364,7 +368,9 @@ def test_memory_estimate_of_hybrid_and_moe_presets(tmp_path: Path, capsys: pytes
         assert est["checkpoint_bytes"] == runner.checkpoint_bytes
         assert est["target_kv_bytes"] + 3 * 2 * runner.checkpoint_bytes == allocated
         # beyond the allocation: each request's checkpoint copies, and the store's limit (the runner's own)
-        assert est["target_state_bytes"] == 3 * (2 + (4 if prefix else 0)) * runner.checkpoint_bytes
+        # (and a block-wide verify's rollback records, which tests/test_hybrid_prefix.py holds the engine to)
+        records = est["record_bytes_per_request"]
+        assert est["target_state_bytes"] == 3 * ((2 + (4 if prefix else 0)) * runner.checkpoint_bytes + records)
         store = engine.kv.checkpoints
         assert (store is not None) == prefix == runner.checkpointing
         assert est["checkpoint_store_bytes"] == (runner.checkpoint_limits[1] if prefix else 0)

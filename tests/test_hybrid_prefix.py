@@ -292,8 +292,8 @@ def test_caching_off_keeps_no_checkpoints() -> None:
 
 def held_state_bytes(eng: Engine) -> tuple[int, int]:
     """(all, checkpoint copies): bytes of hybrid state the engine holds now, distinct storages: the runner's live and
-    rollback states, and the checkpoint copies beyond them (each admitted request's marks, pending boundary state and
-    deferred checkpoint, and the store's checkpoints)."""
+    rollback states, each request's rollback records of its last forward, and the checkpoint copies beyond them
+    (each admitted request's marks, pending boundary state and deferred checkpoint, and the store's checkpoints)."""
     target, store = eng.target, eng.kv.checkpoints
     seen: dict[int, int] = {}
 
@@ -302,6 +302,11 @@ def held_state_bytes(eng: Engine) -> tuple[int, int]:
 
     for t in (target.conv_state, target.rec_state, target.conv_backup, target.rec_backup):
         add(t)
+    for req in [*eng.scheduler.running, *eng.scheduler.prefilling]:
+        for rec in (req.cache.records.values() if req.cache is not None else ()):
+            for t in (rec.inputs, rec.key, rec.value, rec.decay, rec.beta):
+                if t is not None:
+                    add(t)
     allocated = sum(seen.values())
     for req in [*eng.scheduler.running, *eng.scheduler.prefilling]:
         if req.cache is not None:
@@ -329,9 +334,10 @@ def test_a_hybrid_engine_holds_no_more_state_than_the_plan(prefix: bool) -> None
     slots = 3
     eng = engine("qwen3_5", prefix=prefix, slots=slots)
     shape = normalize_shape(model("qwen3_5").config.to_dict())
-    costs = PoolCosts(0, 0, kv_block=KV_BLOCK, extra_len=DRAFT_BLOCK + 1, **pool_state_costs(shape, 4, prefix))
+    costs = PoolCosts(0, 0, kv_block=KV_BLOCK, extra_len=DRAFT_BLOCK + 1,
+                      **pool_state_costs(shape, 4, prefix, verify_tokens=DRAFT_BLOCK))
     plan = plan_memory(costs, 0, slots, 64, MAX_LEN, None, "no budget set")
-    assert eng.target.checkpoint_bytes == pool_state_costs(shape, 4, True)["checkpoint"]
+    assert eng.target.checkpoint_bytes == pool_state_costs(shape, 4, True, DRAFT_BLOCK)["checkpoint"]
     assert plan.slots == slots and plan.checkpoints == (eng.target.checkpoint_limits[1] if prefix else 0)
     budget = plan.state + plan.checkpoints
     shared = ids(37, 60)

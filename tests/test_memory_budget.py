@@ -102,14 +102,16 @@ def test_a_hybrids_checkpoints_count_with_its_states():
     assert "state checkpoints" in plan.notes[0] and "state checkpoints 4.0 MB" in plan.summary()
     no_budget = plan_memory(costs, 0, 10, 1000, 40960, None, "no budget set")
     assert no_budget.state == 60 * 10**6 and no_budget.checkpoints == 5 * 10**6
-    with pytest.raises(ValueError, match=r"recurrent state takes 6.0 MB and the state checkpoints' 4.0 MB"):
+    with pytest.raises(ValueError, match=r"recurrent state takes 6.0 MB and the state checkpoints' 4.0 MB.*"
+                                         r"raise --kv-cache-memory or --no-enable-prefix-caching"):
         plan_memory(costs, 0, 8, 1000, 40960, 19 * 10**6, "--kv-cache-memory 19MB")
 
 
 @pytest.mark.parametrize("prefix", [True, False], ids=["prefix-caching", "no-prefix-caching"])
 def test_a_hybrids_plan_from_its_config(prefix: bool):
-    """load_models' plan of a tiny hybrid, from its config's shapes: live and rollback states per running request,
-    with prefix caching 4 checkpoint copies more each and the store's max(4, running // 2); without, nothing more."""
+    """load_models' plan of a tiny hybrid, from its config's shapes: live and rollback states and a step's rollback
+    records per running request, with prefix caching 4 checkpoint copies more each and the store's
+    max(4, running // 2); without, nothing more."""
     from tests.helpers import make_target
 
     model = make_target(None, "qwen3_5", seed=1)
@@ -120,9 +122,13 @@ def test_a_hybrids_plan_from_its_config(prefix: bool):
                     + c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4)
     config = EngineConfig(device="cpu", max_running_requests=10, max_model_len=64, kv_cache_memory="4MiB",
                           enable_prefix_caching=prefix)
+    # and the rollback records of a 1-token step (no draft: block 1): per linear layer the convolution input and
+    # each value head's key, value, decay and beta (float32)
+    hv = c.linear_num_value_heads
+    records = linear * (conv * 4 + hv * (c.linear_key_head_dim + c.linear_value_head_dim + 2) * 4)
     plan = memory_budget(config, model, None, torch.device("cpu"), torch.float32, 1)
     assert plan.slots == 10
-    assert plan.state == 10 * (2 + (4 if prefix else 0)) * one
+    assert plan.state == 10 * ((2 + (4 if prefix else 0)) * one + records)
     assert plan.checkpoints == (max(4, 10 // 2) * one if prefix else 0)
     row = kv_bytes_per_row({"num_hidden_layers": c.layer_types.count("full_attention"),
                             "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim}, 4)

@@ -191,6 +191,21 @@ def test_the_draw_follows_the_processed_law():
     assert chi_square < 24.32, (chi_square, sorted(counts.items()))
 
 
+def test_slices_of_rows_and_columns_draw_the_same_tokens(monkeypatch):
+    """A big step's draw runs in slices (of columns on the CPU, of rows past a workspace bound on any device):
+    every row still gets the token of one whole draw."""
+    from dflash_core import sampling
+
+    g = torch.Generator().manual_seed(9)
+    probs = torch.softmax(torch.randn(12, 3000, generator=g), dim=-1)
+    seeds = torch.randint(0, 2**62, (12,), generator=g)
+    positions = torch.randint(0, 10**6, (12,), generator=g)
+    whole = (probs / token_uniforms(seeds, positions, 3000).log()).argmin(dim=-1)
+    assert torch.equal(sampling.race_choice(probs, seeds, positions), whole)  # column slices of 5,461
+    monkeypatch.setattr(sampling, "_DRAW_ELEMENTS", 5 * 3000)  # rows 5 at a time, too
+    assert torch.equal(sampling.race_choice(probs, seeds, positions), whole)
+
+
 def test_draws_are_stable_under_float_noise_in_the_logits():
     """Logits that differ by a relative 1e-6 (as another forward computes them) change almost no draw: a Gumbel-max
     draw flips only when its two best perturbed scores are that close. 2,000 positions of flat logits over 4,096

@@ -30,6 +30,7 @@ from dflash_core.memory import (
     normalize_shape,
     plan_memory,
     pool_state_costs,
+    record_bytes,
     state_bytes_per_slot,
     verify_logits_bytes,
 )
@@ -238,7 +239,8 @@ def memory_estimate(
 ) -> dict[str, Any]:
     """Memory of the native backend, in bytes: the weights; the KV pool per position (target attention layers'
     K and V, the draft's in the same blocks) and a hybrid's recurrent state: `state_bytes_per_request` (live and
-    rollback copies, plus `request_checkpoints` copies of `checkpoint_bytes` with `enable_prefix_caching`) for each
+    rollback copies, plus `request_checkpoints` copies of `checkpoint_bytes` with `enable_prefix_caching`, plus
+    `record_bytes_per_request`: a block-wide verify's rollback records) for each
     running request (`target_state_bytes` in all) and the checkpoint store's limit (`checkpoint_store_count`
     checkpoints, `checkpoint_store_bytes`; 0 with prefix caching off); the pool of `kv_cache_memory` bytes (None:
     every running request at full length, the runners' default pool) with its totals; and, per card of `CARDS`, the
@@ -256,7 +258,7 @@ def memory_estimate(
     length = int(max_model_len or model_max)
     costs = PoolCosts(kv_bytes_per_row(t, nbytes), kv_bytes_per_row(d, nbytes) if d else 0,
                       kv_block=kv_block_size, extra_len=block + 1,
-                      **pool_state_costs(t, nbytes, enable_prefix_caching))
+                      **pool_state_costs(t, nbytes, enable_prefix_caching, verify_tokens=block))
     one = checkpoint_bytes(t, nbytes)
     out: dict[str, Any] = {
         "target": target,
@@ -274,6 +276,7 @@ def memory_estimate(
         "state_bytes_per_request": costs.state,
         "checkpoint_bytes": one,
         "request_checkpoints": REQUEST_CHECKPOINTS if enable_prefix_caching and one else 0,
+        "record_bytes_per_request": record_bytes(t, nbytes, block),
     }
     out["weights_bytes"] = weights = (out["target_params"] + out["draft_params"]) * nbytes
     # the native backend does not run sliding-window attention: such a target runs on hf, which has no pool
@@ -349,9 +352,11 @@ def format_memory(rows: list[dict[str, Any]]) -> str:
         per_token = (r["target_kv_bytes_per_token"] + r["draft_kv_bytes_per_token"]) / 1e3
         state = r.get("state_bytes_per_request") or 0
         kv = f"{per_token:.0f} KB" + (f" + {state / 1e6:.0f} MB state per request" if state else "")
-        if state and r.get("request_checkpoints"):  # prefix caching: checkpoint copies, and the store's limit
-            one = r["checkpoint_bytes"] / 1e6
-            kv += f" ({2 + r['request_checkpoints']} x {one:.0f} MB) + {one:.0f} MB x max(4, running / 2) checkpoints"
+        if state:  # the state copies (with prefix caching: the checkpoints, and the store's limit) and records
+            one, rec = r["checkpoint_bytes"] / 1e6, r.get("record_bytes_per_request", 0) / 1e6
+            kv += f" ({2 + r.get('request_checkpoints', 0)} x {one:.0f} MB + {rec:.0f} MB verify records)"
+            if r.get("request_checkpoints"):
+                kv += f" + {one:.0f} MB x max(4, running / 2) checkpoints"
         cells = " | ".join(_cell(r["cards"][label], r["max_model_len"], r["max_running_requests"], r["backend"])
                            for label in labels)
         lines.append(

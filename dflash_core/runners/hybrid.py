@@ -18,9 +18,10 @@ at a checkpointed block and `new_cache(slot, blocks, cached, state=...)` restore
 
 Rollback. A recurrent state cannot be cropped by length. While a forward runs, each linear layer records per row
 the state and window it started from and the per-token inputs of the recurrence (keys, values, decays, betas
-after normalisation: a few KB per token). `crop(cache, length)` recomputes the state from that record over the
-first `length - start` tokens only, with the same operations in the same order, so the state is exactly what
-feeding the accepted prefix alone would have left; no second target forward runs. A prefill records only its
+after normalisation: `hybrid_state.record_nbytes` per token, about 1.2 MB for Qwen3.5-9B). `crop(cache, length)`
+recomputes the state from that record over the first `length - start` tokens only, with the same operations in
+the same order, so the state is exactly what feeding the accepted prefix alone would have left; no second target
+forward runs. A prefill records only its
 starting point: it can be rolled back to it (a retry), not into its middle.
 
 Prefill uses transformers' chunked delta-rule function (as transformers' own prefill does), from the row's state
@@ -34,12 +35,13 @@ request holds its state twice (live, and the copy its last forward recorded for 
 also holds up to `REQUEST_CHECKPOINTS` = 4 more copies: its marks (MARKS = 2), the pending boundary state of a
 forward not yet accepted (held beside both marks until the next forward settles it), and the checkpoint the engine
 keeps until its block enters the prefix index (`RequestKV.deferred`); the KV manager's checkpoints take at most
-`checkpoint_limits` (one state per two slots, at least 4). The per-token records of rollback (a few KB per token of
-the last forward) are not counted.
+`checkpoint_limits` (one state per two slots, at least 4). And each holds the records of its last verify step
+(`record_nbytes` per token, at most a DFlash block of tokens; a prefill records none).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -290,24 +292,22 @@ class HybridTarget(NativeTarget):
         # checkpointing: the token count after which each row passes its last block boundary (None: it does not)
         cuts = [None if c.pending_pos is None else c.pending_pos - s for _, s, c in batch.rows]
         marks: dict[int, torch.Tensor] = {}
-        fresh = int(batch.rows[0][1]) == 0
-        if b == 1 and (fresh or self._chunked):  # a prefill: transformers' chunked rule, as its own prefill
-            # from the row's state: a later chunk of a long prompt, or the suffix after a prefix-cache hit
-            init = None if fresh else state0
-            cut = cuts[0]
-            if cut is not None and cut < n:  # split at the boundary: the state there comes out of the first part
-                head, mid = self._chunk_rule(q[:, :cut], k[:, :cut], v[:, :cut], g=g[:, :cut], beta=beta[:, :cut],
-                                             initial_state=init, output_final_state=True,
-                                             use_qk_l2norm_in_kernel=True)
-                tail, state = self._chunk_rule(q[:, cut:], k[:, cut:], v[:, cut:], g=g[:, cut:], beta=beta[:, cut:],
-                                               initial_state=mid, output_final_state=True,
-                                               use_qk_l2norm_in_kernel=True)
-                core, marks[0] = torch.cat([head, tail], dim=1), mid[0]
-            else:
-                core, state = self._chunk_rule(q, k, v, g=g, beta=beta, initial_state=init, output_final_state=True,
-                                               use_qk_l2norm_in_kernel=True)
-                if cut is not None:
-                    marks[0] = state[0]
+        if self._chunked or (b == 1 and int(batch.rows[0][1]) == 0):  # a prefill: the chunked rule, row by row
+            outs, states = [], []
+            for r, (tokens, start, _) in enumerate(batch.rows):
+                m = len(tokens)
+                # from the row's state: a later chunk of a long prompt, or the suffix after a prefix-cache hit
+                out, last, mark = self._chunked_row(q[r : r + 1, :m], k[r : r + 1, :m], v[r : r + 1, :m],
+                                                    g[r : r + 1, :m], beta[r : r + 1, :m],
+                                                    None if start == 0 else state0[r : r + 1], cuts[r])
+                outs.append(out[0])
+                states.append(last[0])
+                if mark is not None:
+                    marks[r] = mark
+            core = outs[0].new_zeros(b, n, *outs[0].shape[1:])  # padding columns: zeros, never read
+            for r, out in enumerate(outs):
+                core[r, : out.shape[0]] = out
+            state = torch.stack(states)
             kf = vf = gf = bf = None
         else:
             core, state, (kf, vf, gf, bf) = self._recurrent(q, k, v, g, beta, state0, batch, cuts, marks)
@@ -331,6 +331,23 @@ class HybridTarget(NativeTarget):
             cache.state_end = cache.start + m
         core = la.norm(core.reshape(-1, la.head_v_dim), z.reshape(-1, la.head_v_dim)).reshape(b, n, -1)
         return la.out_proj(core)
+
+    def _chunked_row(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        init: torch.Tensor | None, cut: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """One row's tokens [1, m, ...] through transformers' chunked rule (as its own prefill) from state `init`
+        [1, Hv, dk, dv] (None: zeros): its output [1, m, Hv, dv], its last state [1, ...] and, when it passes its
+        last block boundary `cut` tokens in, the state there (split there: it comes out of the first part)."""
+        m = q.shape[1]
+        rule = functools.partial(self._chunk_rule, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        if cut is not None and cut < m:
+            head, mid = rule(q[:, :cut], k[:, :cut], v[:, :cut], g=g[:, :cut], beta=beta[:, :cut], initial_state=init)
+            tail, state = rule(q[:, cut:], k[:, cut:], v[:, cut:], g=g[:, cut:], beta=beta[:, cut:],
+                               initial_state=mid)
+            return torch.cat([head, tail], dim=1), state, mid[0]
+        core, state = rule(q, k, v, g=g, beta=beta, initial_state=init)
+        return core, state, None if cut is None else state[0]
 
     def _project(self, la: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The layer's convolution input [b, C, n] (q, k, v channels), output gate z and the b / a projections."""
