@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from dflash_core.kv.pool import DEFAULT_KV_BLOCK
+
 DRAFT_ARCHITECTURE = "DFlashDraftModel"
 
 
@@ -239,8 +241,8 @@ class EngineConfig:
         None, "context length limit, prompt plus output (default: the model's, lowered to what one request can "
         "hold when the KV pool is smaller)")
     kv_block_size: int = _setting(
-        16, "positions per KV-cache block (vLLM's --block-size; here --block-size is the DFlash draft block): the "
-        "unit a request's KV grows by and prefix caching reuses; a power of two <= 256")
+        DEFAULT_KV_BLOCK, "positions per KV-cache block (vLLM's --block-size; here --block-size is the DFlash draft "
+        "block): the unit a request's KV grows by and prefix caching reuses; a power of two <= 256")
     enable_prefix_caching: bool = _setting(
         True, "automatic prefix caching: full KV blocks are kept, keyed by their tokens and prefix, and a request "
         "whose prompt starts with cached blocks prefills only the rest (--no-enable-prefix-caching: off)")
