@@ -269,8 +269,10 @@ def test_two_replicas_share_16_concurrent_requests_with_single_server_outputs(ra
 
 
 def _long_stream(url: str, outcome: dict[int, tuple[str, str, float]], i: int, started: threading.Event) -> None:
-    """A streamed completion of 200 tokens; outcome[i] = (replica, "done" | "cut" | error name, seconds taken)."""
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "stream": True,
+    """A streamed completion of 1,000 tokens (long enough to be running when a replica is killed, however fast the
+    replicas decode: 200 tokens have finished in 4 s); outcome[i] = (replica, "done" | "cut" | error name, seconds
+    taken)."""
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True, "stream": True,
             "temperature": 0.0}
     replica, t0 = "", time.monotonic()
     try:
@@ -307,7 +309,7 @@ def test_killing_a_replica_mid_load_fails_only_its_requests_and_ray_restarts_it(
         assert _ask(client, question, stream=False)[1] == survivor.replica_id
 
     for t in threads:
-        t.join(timeout=90)
+        t.join(timeout=150)
     assert not any(t.is_alive() for t in threads), f"a stream hangs: {outcome}"
     for i in on[survivor.replica_id]:
         assert outcome[i][1] == "done", outcome[i]
