@@ -18,8 +18,8 @@ on a GPU a step at batch 1 reads every weight once whether it carries 1 token or
 CUDA graphs are still recorded per concrete shape, and `mode="reduce-overhead"` records a shape on its second call
 (the first warms it up): so warm-up calls every (batch, width, key bucket) shape `WARM_UP_CALLS_CUDA` times on CUDA,
 and elsewhere each (batch, width) once at the smallest key bucket (the first call compiles; the rest check that
-nothing more does). `StepFunction` clones a compiled
-step's outputs on CUDA, since the next replay overwrites the graph's output memory.
+nothing more does). `StepFunction` clones a compiled step's outputs on CUDA, since the next replay overwrites the
+graph's output memory.
 
 Caches are written in place: a step writes its keys/values into per-layer cache tensors (graph inputs) with
 `index_put_`, never into a view of a bigger tensor, which inductor would copy whole around every step.

@@ -32,12 +32,10 @@ def checkpoint_nbytes(linear_layers: int, conv_dim: int, kernel: int, value_head
     return linear_layers * (conv_dim * (kernel - 1) * dtype_bytes + value_heads * key_dim * value_dim * 4)
 
 
-def record_nbytes(linear_layers: int, conv_dim: int, kernel: int, value_heads: int, key_dim: int, value_dim: int,
+def record_nbytes(linear_layers: int, conv_dim: int, value_heads: int, key_dim: int, value_dim: int,
                   dtype_bytes: int) -> int:
     """Bytes a verify step records per token for rollback: every linear layer's convolution input (`conv_dim`,
-    `dtype_bytes` each) and its key, value, decay and beta per value head (float32). `kernel` is unused (the same
-    shape tuple as `checkpoint_nbytes`)."""
-    del kernel
+    `dtype_bytes` each) and its key, value, decay and beta per value head (float32)."""
     return linear_layers * (conv_dim * dtype_bytes + value_heads * (key_dim + value_dim + 2) * 4)
 
 

@@ -87,21 +87,27 @@ def kv_bytes_per_row(m: dict[str, Any], dtype_bytes: int) -> int:
     return 2 * attention * int(m["num_key_value_heads"]) * int(m["head_dim"]) * dtype_bytes
 
 
+def _linear_layers(m: dict[str, Any]) -> int:
+    """Gated DeltaNet layers of the model (0: attention only)."""
+    return sum(kind == "linear_attention" for kind in layer_types(m))
+
+
 def checkpoint_bytes(m: dict[str, Any], dtype_bytes: int) -> int:
     """One copy of a hybrid's state from its config: every Gated DeltaNet layer's convolution window (kernel - 1
     inputs, model dtype) and recurrent state (value heads x key dim x value dim, float32), as the runner's
     `checkpoint_bytes`; 0 without such layers."""
-    linear = sum(kind == "linear_attention" for kind in layer_types(m))
-    if not linear:
-        return 0
-    return checkpoint_nbytes(linear, *linear_dims(m), dtype_bytes)
+    linear = _linear_layers(m)
+    return checkpoint_nbytes(linear, *linear_dims(m), dtype_bytes) if linear else 0
 
 
 def record_bytes(m: dict[str, Any], dtype_bytes: int, tokens: int) -> int:
     """The rollback records of a verify step of `tokens` tokens (`dflash_core.hybrid_state.record_nbytes`); 0
     without Gated DeltaNet layers."""
-    linear = sum(kind == "linear_attention" for kind in layer_types(m))
-    return tokens * record_nbytes(linear, *linear_dims(m), dtype_bytes) if linear else 0
+    linear = _linear_layers(m)
+    if not linear:
+        return 0
+    conv, _, value_heads, key_dim, value_dim = linear_dims(m)
+    return tokens * record_nbytes(linear, conv, value_heads, key_dim, value_dim, dtype_bytes)
 
 
 def state_bytes_per_slot(m: dict[str, Any], dtype_bytes: int, prefix_caching: bool = False,
@@ -110,8 +116,7 @@ def state_bytes_per_slot(m: dict[str, Any], dtype_bytes: int, prefix_caching: bo
     step records for rollback, with prefix caching the checkpoint copies it holds (marks, a pending boundary
     state, a deferred checkpoint), and the records of a verify step of `verify_tokens` tokens (the DFlash block):
     `dflash_core.hybrid_state.request_state_bytes`; 0 without such layers."""
-    return request_state_bytes(checkpoint_bytes(m, dtype_bytes), prefix_caching,
-                               record_bytes(m, dtype_bytes, verify_tokens))
+    return pool_state_costs(m, dtype_bytes, prefix_caching, verify_tokens)["state"]
 
 
 def normalize_shape(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -173,8 +178,8 @@ def pool_state_costs(m: dict[str, Any], dtype_bytes: int, prefix_caching: bool, 
     at most (its verify step of `verify_tokens` tokens recorded), and with prefix caching on the store's checkpoint
     size (0 off: no store, no checkpoint copies)."""
     one = checkpoint_bytes(m, dtype_bytes)
-    return {"state": state_bytes_per_slot(m, dtype_bytes, prefix_caching, verify_tokens),
-            "checkpoint": one if prefix_caching else 0}
+    records = record_bytes(m, dtype_bytes, verify_tokens)
+    return {"state": request_state_bytes(one, prefix_caching, records), "checkpoint": one if prefix_caching else 0}
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ the state and window it started from and the per-token inputs of the recurrence 
 after normalisation: `hybrid_state.record_nbytes` per token, about 1.2 MB for Qwen3.5-9B). `crop(cache, length)`
 recomputes the state from that record over the first `length - start` tokens only, with the same operations in
 the same order, so the state is exactly what feeding the accepted prefix alone would have left; no second target
-forward runs. A prefill records only its
-starting point: it can be rolled back to it (a retry), not into its middle.
+forward runs. A prefill records only its starting point: it can be rolled back to it (a retry), not into its
+middle.
 
 Prefill uses transformers' chunked delta-rule function (as transformers' own prefill does), from the row's state
 for a later chunk of a long prompt or the suffix after a prefix-cache hit (a forward read at its last row only:
