@@ -100,6 +100,14 @@ class PagedAttention:
         self.kv_block, self.flex_mask, self.index, self.mask = kv_block, mask, None, None
         return self
 
+    @classmethod
+    def gathered(cls, index: torch.Tensor, mask: torch.Tensor | None, kv_block: int) -> PagedAttention:
+        """The gather + SDPA kernel from another instance's `index` and `mask` (a compiled layer region receives
+        them as inputs: the mask is built once per forward, not once per layer)."""
+        self = cls.__new__(cls)
+        self.kv_block, self.flex_mask, self.index, self.mask = kv_block, None, index, mask
+        return self
+
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """q [b, heads, n, d] over one layer's k_cache / v_cache [num_blocks * kv_block, kv_heads, d] ->
         [b, heads, n, d] (GQA when heads != kv_heads)."""

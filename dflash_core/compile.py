@@ -10,16 +10,22 @@ The batch, width and key-length dimensions are marked dynamic (`maybe_mark_dynam
 specialises a dimension of size 1 (a graph of its own for each such case of each dimension, and inductor's
 decompositions branch on it), so a batch of 1 or a width of 1 is padded to 2 (`MIN_BUCKET`). Inductor then compiles
 ONE graph per step function for every bucket (with the flex attention kernel, the target's step one per width
-bucket: its BlockMask's query length is a constant), and a context growing past a key bucket recompiles nothing. What
-start-up costs is one trace and one compile per step function (the target's verify, the draft's proposal);
+bucket: its BlockMask's query length is a constant), and a context growing past a key bucket recompiles nothing.
 `--compile-cache` keeps the compiled code for the next start. The padding is cheap where compiling is the default:
 on a GPU a step at batch 1 reads every weight once whether it carries 1 token or 4.
 
+What one graph holds (`scope`, `--compile-scope`): the whole step ("step", CUDA's default: one CUDA graph replays
+it), or one layer ("layer", the default elsewhere): the step runs eagerly around a compiled layer region that every
+layer calls with its own weights and cache tensors as inputs (no layer index, no Python int of the step's shape),
+so dynamo traces and inductor generates a layer's code once, not once per layer. On CPU, start-up also runs
+inductor's check of the CPU's vector instruction sets in the background while the weights load
+(`probe_cpu_compiler`).
+
 CUDA graphs are still recorded per concrete shape, and `mode="reduce-overhead"` records a shape on its second call
 (the first warms it up): so warm-up calls every (batch, width, key bucket) shape `WARM_UP_CALLS_CUDA` times on CUDA,
-and elsewhere each (batch, width) once at the smallest key bucket (the first call compiles; the rest check that
-nothing more does). `StepFunction` clones a compiled step's outputs on CUDA, since the next replay overwrites the
-graph's output memory.
+and elsewhere the smallest and largest (batch, width) buckets once at the smallest key bucket (`warm_up_plan`: the
+first call compiles, the others check that the extremes compile nothing more; tests run every bucket).
+`StepFunction` clones a compiled step's outputs on CUDA, since the next replay overwrites the graph's output memory.
 
 Caches are written in place: a step writes its keys/values into per-layer cache tensors (graph inputs) with
 `index_put_`, never into a view of a bigger tensor, which inductor would copy whole around every step.
@@ -28,6 +34,7 @@ Caches are written in place: a step writes its keys/values into per-layer cache 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -36,7 +43,7 @@ from typing import Any
 
 import torch
 
-from dflash_core.config import parse_sizes
+from dflash_core.config import COMPILE_SCOPES, parse_sizes
 
 __all__ = ["DEFAULT_WIDTHS", "StaticShapes", "StepFunction", "compile_enabled", "default_batch_sizes", "key_buckets",
            "kv_bucket", "parse_sizes", "timed_warm_up", "use_compile_cache"]
@@ -58,9 +65,38 @@ def default_batch_sizes(max_slots: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
+def default_scope(device: torch.device) -> str:
+    """What one compiled graph holds by default: the whole step on CUDA (one CUDA graph replays it), one layer
+    elsewhere (a graph every layer reuses: inductor compiles a layer once, not once per layer)."""
+    return "step" if device.type == "cuda" else "layer"
+
+
 def compile_enabled(setting: bool | None, device: torch.device) -> bool:
     """--compile / --no-compile, or by default: on for CUDA, off elsewhere (a CPU compile costs seconds a shape)."""
     return device.type == "cuda" if setting is None else bool(setting)
+
+
+def probe_cpu_compiler(device: torch.device) -> list[threading.Thread]:
+    """Start inductor's check of the CPU's vector instruction sets in background threads (CPU compile only).
+
+    Before its first C++ kernel, inductor builds and loads a test program for each instruction set the CPU reports
+    (AMX, AVX-512 VNNI, AVX-512, AVX2), one after another: about 20 s on 2 cores with an empty compile cache. Started
+    when loading begins, the checks run side by side and under the weights' loading and dynamo's trace; inductor
+    then finds their results cached (the checks and their results are torch's own). Returns the threads started."""
+    if device.type != "cpu":
+        return []
+    try:
+        from torch._inductor import cpu_vec_isa
+
+        reported = cpu_vec_isa.x86_isa_checker()
+        isas = [isa for isa in cpu_vec_isa.supported_vec_isa_list
+                if str(isa) and all(flag in reported for flag in str(isa).split())]
+    except Exception:  # another architecture, or a torch without these internals: inductor checks as usual
+        return []
+    threads = [threading.Thread(target=bool, args=(isa,), name=f"isa-probe-{isa}", daemon=True) for isa in isas]
+    for t in threads:
+        t.start()
+    return threads
 
 
 def use_compile_cache(directory: str | None) -> None:
@@ -91,6 +127,21 @@ def _bucket(sizes: Sequence[int], n: int) -> int | None:
     return next((s for s in sizes if s >= n), None)
 
 
+def _ends(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(sorted({sizes[0], sizes[-1]}))
+
+
+@dataclass(frozen=True)
+class WarmUpPlan:
+    """What a warm-up runs: every (batch, width) bucket pair of these, at each of these key buckets, `calls`
+    times in a row."""
+
+    batch_sizes: tuple[int, ...]
+    widths: tuple[int, ...]
+    keys: tuple[int, ...]
+    calls: int
+
+
 @dataclass
 class StaticShapes:
     """The buckets a runner pads its decode steps to, and whether the padded step is compiled.
@@ -103,12 +154,19 @@ class StaticShapes:
     widths: tuple[int, ...] = DEFAULT_WIDTHS
     compiled: bool = True
     mode: str | None = None  # torch.compile mode; None: "reduce-overhead" on CUDA, "default" elsewhere
+    scope: str | None = None  # what one graph holds: "layer" or "step" (None: `default_scope` of the device)
     calls: Counter[tuple[int, int]] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
+        if self.scope not in (None, *COMPILE_SCOPES):
+            raise ValueError(f"compile scope must be one of {', '.join(COMPILE_SCOPES)}, got {self.scope!r}")
         # a bucket of 1 becomes MIN_BUCKET: one graph for every bucket (see the module docstring)
         self.batch_sizes = tuple(sorted({max(MIN_BUCKET, s) for s in self.batch_sizes}))
         self.widths = tuple(sorted({max(MIN_BUCKET, s) for s in self.widths}))
+
+    def by_layer(self, device: torch.device) -> bool:
+        """Whether a compiled step is a layer region (compiled once, called by every layer) in an eager step."""
+        return self.compiled and (self.scope or default_scope(device)) == "layer"
 
     def batch_bucket(self, b: int) -> int | None:
         return _bucket(self.batch_sizes, b)
@@ -116,12 +174,16 @@ class StaticShapes:
     def width_bucket(self, n: int) -> int | None:
         return _bucket(self.widths, n)
 
-    def warm_up_keys(self, device: torch.device, cap: int) -> tuple[tuple[int, ...], int]:
-        """The key buckets a warm-up runs each (batch, width) bucket at, and how many calls each: on CUDA every
-        bucket, `WARM_UP_CALLS_CUDA` times (a CUDA graph per concrete shape); elsewhere the smallest, once."""
+    def warm_up_plan(self, device: torch.device, cap: int, graph_per_width: bool = False) -> WarmUpPlan:
+        """The shapes a warm-up runs and how many calls each. On CUDA every (batch, width, key bucket) shape,
+        `WARM_UP_CALLS_CUDA` times: a CUDA graph is recorded per concrete shape. Elsewhere one graph serves every
+        shape, so the smallest and the largest batch and width buckets at the smallest key bucket, once each: the
+        first call compiles, the others check the extremes reuse it (every width when the kernel compiles a graph
+        per width: `graph_per_width`, the flex kernel)."""
         if self.compiled and device.type == "cuda":
-            return key_buckets(cap), WARM_UP_CALLS_CUDA
-        return key_buckets(cap)[:1], 1
+            return WarmUpPlan(self.batch_sizes, self.widths, key_buckets(cap), WARM_UP_CALLS_CUDA)
+        widths = self.widths if graph_per_width else _ends(self.widths)
+        return WarmUpPlan(_ends(self.batch_sizes), widths, key_buckets(cap)[:1], 1)
 
     def wrap(
         self, fn: Callable[..., Any], device: torch.device, dynamic: dict[int, tuple[int, ...]] | None = None
@@ -156,8 +218,9 @@ class StepFunction:
     def __call__(self, *args: Any) -> Any:
         if self.compiled:
             for i, dims in self.dynamic.items():
-                for d in dims:
-                    torch._dynamo.maybe_mark_dynamic(args[i], d)
+                if isinstance(args[i], torch.Tensor):  # an optional input may be None (the kernel's other one)
+                    for d in dims:
+                        torch._dynamo.maybe_mark_dynamic(args[i], d)
             if self.cuda:
                 torch.compiler.cudagraph_mark_step_begin()
         out = self.fn(*args)

@@ -191,6 +191,7 @@ class DraftConfig:
 
 
 BACKENDS = ("auto", "native", "hf")
+COMPILE_SCOPES = ("layer", "step")  # what one compiled graph holds (`dflash_core.compile.default_scope`)
 
 
 def parse_sizes(text: str | Sequence[int] | None, name: str) -> tuple[int, ...] | None:
@@ -259,6 +260,10 @@ class EngineConfig:
         "requests do not mean compiling and holding 256-row graphs)")
     compile_widths: str = _setting("2,4,8,16", "tokens-per-row buckets of the compiled step, comma-separated; a "
                                    "plain step (1 token) runs in the bucket of 2 (one compiled graph for every bucket)")
+    compile_scope: str | None = _setting(
+        None, "what one compiled graph holds: layer (one graph for a layer kind, which every layer calls with its "
+        "own weights and caches: compiles a layer once, not once per layer) or step (the whole step: one CUDA graph "
+        "replays it) (default: step on CUDA, layer elsewhere)")
     compile_cache: str | None = _setting(
         None, "directory of the on-disk compile cache (inductor's; TORCHINDUCTOR_CACHE_DIR): keep it across restarts "
         "and a restart with --compile reuses the compiled graphs (default: torch's, under the temp directory)")
@@ -316,6 +321,8 @@ class EngineConfig:
                 raise ValueError("gpu_memory_utilization must be in (0, 1]")
             if self.kv_cache_memory is not None:
                 raise ValueError("set one of kv_cache_memory and gpu_memory_utilization, not both")
+        if self.compile_scope not in (None, *COMPILE_SCOPES):
+            raise ValueError(f"compile_scope must be one of {', '.join(COMPILE_SCOPES)}, got {self.compile_scope!r}")
         if self.speculation not in ("adaptive", "fixed"):
             raise ValueError(f"speculation must be adaptive or fixed, got {self.speculation!r}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= self.max_running_requests:

@@ -7,6 +7,7 @@ output head unless the draft has a reduced vocabulary (`lm_head` and `d2t`, spec
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,6 +18,9 @@ from dflash_core.attention import write_kv
 from dflash_core.config import DraftConfig
 from dflash_core.draft_formats import read_draft_config, read_draft_weights
 from dflash_core.layers import RMSNorm, RopeFrequencies, apply_rope, rope_inv_freq
+
+# (layer, x, cos_q, sin_q, ctx, cos_c, sin_c, kc, vc, rows, table, mask) -> x: `layer_region`, its kv_block bound
+LayerRegion = Callable[..., torch.Tensor]
 
 _FLOAT32_BUFFERS = ("_inv_freq", "_long_inv_freq")
 
@@ -93,6 +97,20 @@ class DraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def layer_region(
+    layer: DraftLayer, x: torch.Tensor, cos_q: torch.Tensor, sin_q: torch.Tensor, ctx: torch.Tensor,
+    cos_c: torch.Tensor, sin_c: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, rows: torch.Tensor,
+    table: torch.Tensor, mask: torch.Tensor | None, kv_block: int,
+) -> torch.Tensor:
+    """One draft layer over a paged cache: the new context rows' keys / values written to rows [b, c] of the
+    layer's tensors kc / vc, the table's [b, M] blocks of `kv_block` rows gathered, then the layer on the block
+    rows x [b, q, H]."""
+    new_k, new_v = layer.self_attn.context_kv(ctx, cos_c, sin_c)
+    write_context_rows(kc, vc, rows, new_k, new_v)
+    ctx_k, ctx_v = gather_blocks(kc, vc, table, kv_block)
+    return layer(x, cos_q, sin_q, ctx_k, ctx_v, mask)
+
+
 class DraftKVCache:
     """One request's context keys/values, one buffer per layer; row j holds position j.
 
@@ -166,6 +184,22 @@ class DraftKVCache:
         self.length += n
 
 
+def write_context_rows(kc: torch.Tensor, vc: torch.Tensor, rows: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor) -> None:
+    """New context keys / values [b, kv_heads, c, d] into flat rows [b, c] of one layer's paged tensors."""
+    write_kv(kc, vc, rows.reshape(-1), k.transpose(1, 2).reshape(-1, *kc.shape[1:]),
+             v.transpose(1, 2).reshape(-1, *vc.shape[1:]))
+
+
+def gather_blocks(kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor,
+                  kv_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys / values [b, kv_heads, M * kv_block, d] of the blocks of table [b, M], by block: one index per
+    block, and a view of the cache (never a copy of it)."""
+    keys = kc.view(-1, kv_block, *kc.shape[1:])[table].flatten(1, 2).transpose(1, 2)
+    values = vc.view(-1, kv_block, *vc.shape[1:])[table].flatten(1, 2).transpose(1, 2)
+    return keys, values
+
+
 class PagedDraftCache:
     """Context keys/values of every request, paged in the target's block-id space: per layer one key and one value
     tensor `[num_blocks * kv_block, kv_heads, head_dim]` (lists, so that a compiled step writes each in place).
@@ -222,16 +256,10 @@ class PagedBatch:
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         if k is not None and v is not None and k.shape[2]:
             assert self.rows is not None
-            flat = self.rows.reshape(-1)
-            write_kv(kc, vc, flat, k.transpose(1, 2).reshape(-1, *kc.shape[1:]),
-                     v.transpose(1, 2).reshape(-1, *vc.shape[1:]))
+            write_context_rows(kc, vc, self.rows, k, v)
         if self.table is None:
             return None, None
-        # by block: one index per block, and a view of the cache (never a copy of it)
-        kb = self.cache.kv_block
-        keys = kc.view(-1, kb, *kc.shape[1:])[self.table].flatten(1, 2).transpose(1, 2)
-        values = vc.view(-1, kb, *vc.shape[1:])[self.table].flatten(1, 2).transpose(1, 2)
-        return keys, values
+        return gather_blocks(kc, vc, self.table, self.cache.kv_block)
 
     def key_positions(self, batch: int, n: int, device: torch.device) -> torch.Tensor:
         """Positions [batch, n] of the keys `update` returned."""
@@ -242,6 +270,30 @@ class PagedBatch:
 
     def commit(self, n: int) -> None:
         pass
+
+
+def key_visibility(
+    ctx_k_pos: torch.Tensor, block_pos: torch.Tensor, base: torch.Tensor | None, ctx_len: torch.Tensor | None,
+    ctx_start: torch.Tensor | None, block_len: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """Which keys [context ++ block] each block query may see, bool [b, 1, q, keys] (None: all): context keys at
+    positions ctx_k_pos [b, c] below ctx_len [b] and from ctx_start [b] on, block keys below block_len [b]; and
+    `base`, an explicit visibility, when given."""
+    b, q = block_pos.shape
+    valid = []
+    all_ctx = torch.ones_like(ctx_k_pos, dtype=torch.bool)
+    all_block = torch.ones_like(block_pos, dtype=torch.bool)
+    if ctx_len is not None:
+        valid.append(torch.cat([ctx_k_pos < ctx_len[:, None], all_block], 1))
+    if ctx_start is not None:
+        valid.append(torch.cat([ctx_k_pos >= ctx_start[:, None], all_block], 1))
+    if block_len is not None:
+        in_block = torch.arange(q, device=block_pos.device)[None] < block_len[:, None]
+        valid.append(torch.cat([all_ctx, in_block], 1))
+    for v in valid:
+        v = v[:, None, None, :].expand(b, 1, q, ctx_k_pos.shape[1] + q)
+        base = v if base is None else base & v
+    return base
 
 
 class DFlashDraft(nn.Module):
@@ -402,22 +454,34 @@ class DFlashDraft(nn.Module):
                 else:
                     ctx_k_pos = ctx_pos if ctx is not None else block_pos[:, :0]
                 k_pos = torch.cat([ctx_k_pos, block_pos], dim=1)
-                valid = []
-                all_ctx = torch.ones_like(ctx_k_pos, dtype=torch.bool)
-                all_block = torch.ones_like(block_pos, dtype=torch.bool)
-                if ctx_len is not None:
-                    valid.append(torch.cat([ctx_k_pos < ctx_len[:, None], all_block], 1))
-                if ctx_start is not None:
-                    valid.append(torch.cat([ctx_k_pos >= ctx_start[:, None], all_block], 1))
-                if block_len is not None:
-                    in_block = torch.arange(q, device=block_pos.device)[None] < block_len[:, None]
-                    valid.append(torch.cat([all_ctx, in_block], 1))
-                for v in valid:
-                    v = v[:, None, None, :].expand(b, 1, q, k_pos.shape[1])
-                    base = v if base is None else base & v
+                base = key_visibility(ctx_k_pos, block_pos, base, ctx_len, ctx_start, block_len)
             x = layer(x, cos_q, sin_q, ctx_k, ctx_v, self._mask(layer, block_pos, k_pos, base))
         if cache is not None and ctx is not None:
             cache.commit(ctx.shape[1])
+        return self.norm(x)
+
+    def forward_paged_by_layer(
+        self, block_emb: torch.Tensor, block_pos: torch.Tensor, ctx_features: torch.Tensor, ctx_pos: torch.Tensor,
+        cache: PagedBatch, run_layer: LayerRegion, ctx_len: torch.Tensor, block_len: torch.Tensor,
+        ctx_start: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`forward` over a paged batch with a table and new context rows, each layer through `run_layer` (a
+        compiled layer region: `layer_region` with the layer's weights and cache tensors as inputs, one graph for
+        every layer). The keys' positions and visibility are known before the first layer: the table's blocks."""
+        assert cache.table is not None and cache.rows is not None
+        dtype = block_emb.dtype
+        b = block_pos.shape[0]
+        last = block_pos.max(dim=1).values if self._long_inv_freq is not None else None
+        cos_q, sin_q = self.rope(block_pos, dtype, last)
+        ctx = self.hidden_norm(self.fc(ctx_features))
+        cos_c, sin_c = self.rope(ctx_pos, dtype, last)
+        ctx_k_pos = cache.key_positions(b, cache.table.shape[1] * cache.cache.kv_block, block_pos.device)
+        k_pos = torch.cat([ctx_k_pos, block_pos], dim=1)
+        base = key_visibility(ctx_k_pos, block_pos, None, ctx_len, ctx_start, block_len)
+        x = block_emb
+        for i, layer in enumerate(self.layers):
+            x = run_layer(layer, x, cos_q, sin_q, ctx, cos_c, sin_c, cache.cache.k[i], cache.cache.v[i], cache.rows,
+                          cache.table, self._mask(layer, block_pos, k_pos, base))
         return self.norm(x)
 
     # ---- checkpoint I/O (z-lab layout) ----

@@ -10,7 +10,14 @@ from typing import Any
 import torch
 
 from dflash_core.chat import eos_token_ids
-from dflash_core.compile import StaticShapes, compile_enabled, default_batch_sizes, parse_sizes, use_compile_cache
+from dflash_core.compile import (
+    StaticShapes,
+    compile_enabled,
+    default_batch_sizes,
+    parse_sizes,
+    probe_cpu_compiler,
+    use_compile_cache,
+)
 from dflash_core.config import DraftConfig, EngineConfig
 from dflash_core.draft import DFlashDraft
 from dflash_core.draft_formats import read_draft_config
@@ -160,6 +167,9 @@ def load_models(config: EngineConfig, warm_up: bool = True) -> LoadedModels:
     block_size = config.block_size
     dev = resolve_device(config.device)
     set_threads(config.threads, dev)
+    if compile_enabled(config.compile, dev):
+        use_compile_cache(config.compile_cache)  # before the first compile, and the CPU checks below, use it
+        probe_cpu_compiler(dev)
     dt = resolve_dtype(config.dtype, dev)
     tok = AutoTokenizer.from_pretrained(str(local_folder(config.tokenizer or target)))
     model = load_target(target, dev, dt)
@@ -217,7 +227,7 @@ def static_shapes(config: EngineConfig, device: torch.device, slots: int | None 
     widths = parse_sizes(config.compile_widths, "compile_widths")
     assert widths is not None
     cap = min(slots or config.max_running_requests, MAX_STATIC_BATCH)
-    return StaticShapes(batch or default_batch_sizes(cap), widths)
+    return StaticShapes(batch or default_batch_sizes(cap), widths, scope=config.compile_scope)
 
 
 def pool_costs(

@@ -6,9 +6,12 @@ What inductor made of it is checked too: its generated code allocates no buffer 
 writes are in place: one tensor per layer, written by `index_put_`), and after warm-up no step compiles anything
 (batch, width and key length are dynamic dimensions), while the contexts grow across every key bucket.
 
-Kept small for the suite's time: a 1-layer target and draft. Batch, width and key length are dynamic dimensions
+Kept small for the suite's time: a 2-layer target and draft. Batch, width and key length are dynamic dimensions
 and a bucket of 1 is padded to 2, so inductor compiles ONE graph per step function for every bucket (each bucket is
-still its own shape, and on CUDA its own CUDA graph): the tests count it, with steps of one row and one token.
+still its own shape, and on CUDA its own CUDA graph): the tests count it, with steps of one row and one token. On
+CPU that graph is one layer (`--compile-scope layer`, the default there), which both layers call with their own
+weights and caches: still one graph. The whole-step graph (`step`, CUDA's default: one CUDA graph a step) is
+checked on CPU too.
 """
 
 from __future__ import annotations
@@ -38,14 +41,14 @@ MAX_LEN = 600  # key buckets 256, 512 and 600 (the cap: max_len)
 
 @pytest.fixture(scope="module")
 def model():
-    return make_target(None, layers=1, seed=3)
+    return make_target(None, layers=2, seed=3)
 
 
 @pytest.fixture(scope="module")
 def draft():
     torch.manual_seed(4)
-    cfg = DraftConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=384, num_target_layers=1, block_size=4,
+    cfg = DraftConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=384, num_target_layers=2, block_size=4,
                       mask_token_id=3, max_position_embeddings=1024, target_layer_ids=[0])
     return DFlashDraft(cfg).eval()
 
@@ -108,9 +111,10 @@ def _verify_steps(runner: NativeTarget) -> list:
     return outs
 
 
-def test_verify_compiled_equals_eager(model):
+@pytest.mark.parametrize("scope", ["layer", "step"])
+def test_verify_compiled_equals_eager(model, scope):
     eager = _verify_steps(_target(model))
-    shapes = StaticShapes(**BUCKETS, compiled=True)
+    shapes = StaticShapes(**BUCKETS, compiled=True, scope=scope)
     runner = _target(model, shapes)
     _warm_up(runner, runner.k_cache[0])
     assert not runner.k_cache[0][KV_BLOCK:].any()  # warm-up wrote the null block only
@@ -161,9 +165,9 @@ def test_verify_with_flex_kernel_equals_eager(model, device, monkeypatch):
     compiled = _verify_steps(runner)
     assert _graphs() == graphs  # nothing compiled after warm-up, at any key bucket
     assert set(shapes.calls) == {(2, 4), (4, 4)} and sum(shapes.calls.values()) == 21
-    keys, calls = shapes.warm_up_keys(runner.device, step.cap)
+    plan = shapes.warm_up_plan(runner.device, step.cap, graph_per_width=True)
     # one mask per step (warm-up's too), never inside a compiled region
-    assert len(built) == 2 * len(keys) * calls + 21 and not any(built)
+    assert len(built) == 2 * len(plan.keys) * plan.calls + 21 and not any(built)
     for e_step, c_step in zip(eager, compiled, strict=True):
         for e, c in zip(e_step, c_step, strict=True):
             assert torch.equal(c.logits.argmax(-1), e.logits.argmax(-1))
@@ -215,9 +219,10 @@ def _proposals(model, draft, static: StaticShapes | None) -> list:
     return outs
 
 
-def test_draft_compiled_equals_eager(model, draft):
+@pytest.mark.parametrize("scope", ["layer", "step"])
+def test_draft_compiled_equals_eager(model, draft, scope):
     eager = _proposals(model, draft, None)
-    shapes = StaticShapes(batch_sizes=(1, 2, 4), widths=(1, 2, 4, 8), compiled=True)
+    shapes = StaticShapes(batch_sizes=(1, 2, 4), widths=(1, 2, 4, 8), compiled=True, scope=scope)
     compiled = _proposals(model, draft, shapes)
     # every step ran the compiled step, the first and those after the long contexts too (their context rows were
     # written as they came: the proposal carries at most a block of them)
@@ -241,10 +246,14 @@ def test_buckets_and_sizes():
     assert kv_bucket(1, 10_000) == 256 and kv_bucket(257, 10_000) == 512 and kv_bucket(9000, 5000) == 5000
     assert key_buckets(601) == (256, 512, 601) and key_buckets(100) == (100,) and key_buckets(512) == (256, 512)
     assert {kv_bucket(n, 601) for n in range(1, 602)} == set(key_buckets(601))
-    # warm-up: on CUDA every key bucket, three calls each (reduce-overhead records a shape on its second call);
-    # elsewhere what compiles, once
-    assert StaticShapes((2,)).warm_up_keys(torch.device("cuda"), 600) == ((256, 512, 600), 3)
-    assert StaticShapes((2,)).warm_up_keys(torch.device("cpu"), 600) == ((256,), 1)
+    # warm-up: on CUDA every shape at every key bucket, three calls each (reduce-overhead records a shape on its
+    # second call); elsewhere the extreme buckets once (one graph serves them all), every width for the flex kernel
+    wide = StaticShapes((2, 4, 8), (2, 4, 8, 16))
+    cuda = wide.warm_up_plan(torch.device("cuda"), 600)
+    assert (cuda.batch_sizes, cuda.widths, cuda.keys, cuda.calls) == ((2, 4, 8), (2, 4, 8, 16), (256, 512, 600), 3)
+    cpu = wide.warm_up_plan(torch.device("cpu"), 600)
+    assert (cpu.batch_sizes, cpu.widths, cpu.keys, cpu.calls) == ((2, 8), (2, 16), (256,), 1)
+    assert wide.warm_up_plan(torch.device("cpu"), 600, graph_per_width=True).widths == (2, 4, 8, 16)
     shapes = StaticShapes((1, 4), (1, 2, 4, 8, 16))
     assert shapes.batch_bucket(3) == 4 and shapes.batch_bucket(5) is None and shapes.width_bucket(5) == 8
 
@@ -287,3 +296,22 @@ def test_engine_compiled_with_prefix_caching_and_preemption_equals_eager(model, 
     stats = compiled.kv_stats()
     assert stats.preemptions > 0 and stats.prefix_hits >= 6 * 96
     assert sum(o.stats.cached_tokens for o in again) >= 6 * 96
+
+
+def test_cpu_compiler_checks_run_in_the_background():
+    """On CPU, start-up starts inductor's vector-set checks in threads (one per set the CPU reports) and does not
+    wait for them; once they are done, inductor's own list of usable sets is what they found. Elsewhere: none."""
+    from torch._inductor import cpu_vec_isa
+
+    from dflash_core.compile import probe_cpu_compiler
+
+    assert probe_cpu_compiler(torch.device("cuda")) == []
+    threads = probe_cpu_compiler(torch.device("cpu"))
+    if cpu_vec_isa.x86_isa_checker():  # an x86 CPU that reports vector sets
+        assert threads and all(t.name.startswith("isa-probe-") for t in threads)
+    for t in threads:
+        t.join(timeout=300)
+        assert not t.is_alive()
+    if threads:
+        probed = {t.name.removeprefix("isa-probe-") for t in threads}
+        assert {str(i) for i in cpu_vec_isa.valid_vec_isa_list()} <= probed

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from dflash_core.compile import StaticShapes, kv_bucket, timed_warm_up
-from dflash_core.draft import DFlashDraft, DraftKVCache, PagedBatch, PagedDraftCache
+from dflash_core.draft import DFlashDraft, DraftKVCache, PagedBatch, PagedDraftCache, layer_region
 from dflash_core.kv.pool import DEFAULT_KV_BLOCK, blocks_for, slot_layout_blocks
 from dflash_core.runners.base import Drafter, DraftRequest, Proposal, TargetRunner
 from dflash_core.transfer import HostToDevice, to_host
@@ -88,13 +88,22 @@ class DFlashDrafter(Drafter):
             self.draft_bytes_per_block = self.pages.bytes_per_block
         self.prefix_cacheable = self.pages is not None  # a hit's draft rows are in its blocks
         self.static = static if self.pages is not None else None
-        self._step = None
+        self._step: Any = None
+        self._region: Any = None  # the compiled layer region (a static step compiled by layer)
         if self.static is not None:
             assert self.pages is not None
             for t in (*self.pages.k, *self.pages.v):
                 torch._dynamo.mark_static_address(t)  # mutated in place by a CUDA graph
-            dims = {0: (0, 1), 1: (0, 1), 2: (0, 1), 3: (0, 1), 4: (0, 1), 5: (0,), 6: (0,), 7: (0, 1)}
-            self._step = self.static.wrap(self._static_forward, target.device, dynamic=dims)
+            if self.static.by_layer(target.device):
+                # the step runs eagerly around ONE compiled layer region that every layer calls with its own
+                # weights and cache tensors: (layer, x, cos_q, sin_q, ctx, cos_c, sin_c, kc, vc, rows, table, mask)
+                dims = {1: (0, 1), 2: (0, 1), 3: (0, 1), 4: (0, 1), 5: (0, 1), 6: (0, 1), 9: (0, 1), 10: (0, 1),
+                        11: (0, 2, 3)}
+                self._region = self.static.wrap(self._layer_region, target.device, dynamic=dims)
+                self._step = self._static_forward
+            else:
+                dims = {0: (0, 1), 1: (0, 1), 2: (0, 1), 3: (0, 1), 4: (0, 1), 5: (0,), 6: (0,), 7: (0, 1)}
+                self._step = self.static.wrap(self._static_forward, target.device, dynamic=dims)
 
     def new_state(
         self, slot: int, prompt_token_ids: list[int], blocks: list[int] | None = None, cached: int = 0
@@ -200,13 +209,18 @@ class DFlashDrafter(Drafter):
 
     def _draft_argmax(
         self, block: torch.Tensor, block_pos: torch.Tensor, ctx: torch.Tensor | None, ctx_pos: torch.Tensor | None,
-        cache: DraftKVCache | PagedBatch, lens: dict[str, torch.Tensor],
+        cache: DraftKVCache | PagedBatch, lens: dict[str, torch.Tensor], by_layer: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Target ids and probabilities [b, w] of the draft's argmax at each position of the block; column 0 (the
         block's first token, already known) is not a proposal and `_read_back` skips it: a [b, w - 1] output of
-        a compiled step would specialise w = 2 (dimensions of size 1 are), a graph of its own."""
+        a compiled step would specialise w = 2 (dimensions of size 1 are), a graph of its own. `by_layer`: each
+        layer through the compiled layer region (a static step's paged batch)."""
         emb = self.draft.embed(block, self.target.embed_weight)
-        hidden = self.draft(emb, block_pos, ctx, ctx_pos, cache, **lens)
+        if by_layer:
+            assert isinstance(cache, PagedBatch) and ctx is not None and ctx_pos is not None
+            hidden = self.draft.forward_paged_by_layer(emb, block_pos, ctx, ctx_pos, cache, self._region, **lens)
+        else:
+            hidden = self.draft(emb, block_pos, ctx, ctx_pos, cache, **lens)
         b, w = block.shape
         # every row of the block, flattened to 2-D (a view): a 3-D matmul, or a reshape of sliced rows, decides its
         # path on whether a dimension is 1
@@ -302,7 +316,16 @@ class DFlashDrafter(Drafter):
         if self.window is not None:
             lens["ctx_start"] = block_pos[:, 0] - self.window
         cache = self.pages.batch(ctx_rows, table, base if self.window is not None else None)
-        return self._draft_argmax(block, block_pos, ctx, ctx_pos, cache, lens)
+        return self._draft_argmax(block, block_pos, ctx, ctx_pos, cache, lens, by_layer=self._region is not None)
+
+    def _layer_region(
+        self, layer: torch.nn.Module, x: torch.Tensor, cos_q: torch.Tensor, sin_q: torch.Tensor, ctx: torch.Tensor,
+        cos_c: torch.Tensor, sin_c: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, rows: torch.Tensor,
+        table: torch.Tensor, mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One draft layer of the padded proposal (`layer_region`): no layer index, no Python ints of the step's
+        shape, so one graph serves every layer, batch, width and key bucket."""
+        return layer_region(layer, x, cos_q, sin_q, ctx, cos_c, sin_c, kc, vc, rows, table, mask, self.kv_block)
 
     def _propose_static(
         self, items: Sequence[DraftRequest], pending: list[torch.Tensor | None], n_ctx: int
@@ -342,16 +365,17 @@ class DFlashDrafter(Drafter):
 
     @torch.inference_mode()
     def warm_up(self) -> float:
-        """Compile every (batch, width, context width) bucket, and on CUDA record the graph of each at every key
-        bucket (`StaticShapes.warm_up_keys`); padding only (the null block), so no request's context changes.
+        """Compile the proposal step, and on CUDA record the graph of every (batch, width, context width) bucket at
+        every key bucket (`StaticShapes.warm_up_plan`); padding only (the null block), so no request's context
+        changes.
         Returns the seconds it took."""
         if self.static is None:
             return 0.0
         st = self.static
         feat_dim = len(self.draft.cfg.target_layer_ids) * self.draft.cfg.hidden_size
         dev, dtype = self.target.device, self.target.dtype
-        keys, calls = st.warm_up_keys(dev, self.blocks_per_request * self.kv_block)
-        key_blocks = sorted({self._key_blocks(kv) for kv in keys})  # a window: one
+        plan = st.warm_up_plan(dev, self.blocks_per_request * self.kv_block)
+        key_blocks = sorted({self._key_blocks(kv) for kv in plan.keys})  # a window: one
 
         def run(bb: int, wb: int, cb: int, m: int) -> None:
             ctx = torch.zeros(bb, cb, feat_dim, device=dev, dtype=dtype)
@@ -359,9 +383,9 @@ class DFlashDrafter(Drafter):
                     [1] * bb, [0] * bb]
             self._run_static(ctx, ints, [[0] * m] * bb)
 
-        widths = [w for w in st.widths if w >= 2]  # a block is the last token and at least one proposal
-        runs = [(lambda bb=bb, wb=wb, cb=cb, m=m: run(bb, wb, cb, m)) for bb in st.batch_sizes for wb in widths
-                for cb in st.widths for m in key_blocks]
-        seconds = timed_warm_up("draft", runs, log, calls)
+        widths = [w for w in plan.widths if w >= 2]  # a block is the last token and at least one proposal
+        runs = [(lambda bb=bb, wb=wb, cb=cb, m=m: run(bb, wb, cb, m)) for bb in plan.batch_sizes for wb in widths
+                for cb in plan.widths for m in key_blocks]
+        seconds = timed_warm_up("draft", runs, log, plan.calls)
         st.calls.clear()
         return seconds

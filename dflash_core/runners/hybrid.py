@@ -269,7 +269,7 @@ class HybridTarget(NativeTarget):
         k = attn.k_norm(attn.k_proj(x).view(b, n, -1, self.head_dim)).transpose(1, 2)
         v = attn.v_proj(x).view(b, n, -1, self.head_dim)
         cos, sin = rope
-        out = self._attend(li, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, batch)
+        out = self._attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, *self.layer_kv(li), batch, self.scaling)
         out = out.transpose(1, 2).reshape(b, n, -1) * torch.sigmoid(gate)
         return attn.o_proj(out)
 

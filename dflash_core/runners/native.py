@@ -22,7 +22,7 @@ the compiled static step (`attention_kernel`: CUDA by default, `DFLASH_ATTENTION
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,7 @@ log = logging.getLogger("dflash.native")
 SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2", "qwen3_moe")
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [b, n, rotary dim]
 Rows = Sequence[TargetRow | tuple[list[int], int, Any]]
+LayerStep = Callable[[int, nn.Module, torch.Tensor, "Batch", Rope], torch.Tensor]  # (li, layer, h, batch, rope) -> h
 
 
 @dataclass
@@ -238,22 +239,33 @@ class NativeTarget(TargetRunner):
         attention = PagedAttention(table, pos, kvb, self.kv_rows_total, kv_len)
         return Batch(rows, b, n, packed[:, 1], pos, packed[:, 2], table, kv_rows(table, pos, kvb), attention)
 
-    def _attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """Write the rows' keys [b, kv_heads, n, d] and values [b, n, kv_heads, d] at their positions' rows of layer
-        `li`'s cache, then attend: [b, heads, n, d]. Ragged (`batch.flat`): [1, ..., T, ...] in and out."""
-        kc, vc = self.k_cache[self.kv_index[li]], self.v_cache[self.kv_index[li]]
+    def layer_kv(self, li: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `li`'s key and value cache tensors."""
+        return self.k_cache[self.kv_index[li]], self.v_cache[self.kv_index[li]]
+
+    @staticmethod
+    def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                batch: Batch, scale: float) -> torch.Tensor:
+        """Write the rows' keys [b, kv_heads, n, d] and values [b, n, kv_heads, d] at their positions' rows of one
+        layer's cache kc / vc, then attend: [b, heads, n, d]. Ragged (`batch.flat`): [1, ..., T, ...] in and out."""
         if batch.flat is not None:
             rows, cols = batch.flat
             write_kv(kc, vc, batch.write, k[0].transpose(0, 1), v[0])
             queries = q.new_zeros(batch.b, q.shape[1], batch.n, q.shape[3])  # padding queries: computed, not read
             queries[rows, :, cols] = q[0].transpose(0, 1)
-            return batch.attention(queries, kc, vc, self.scaling)[rows, :, cols].transpose(0, 1)[None]
+            return batch.attention(queries, kc, vc, scale)[rows, :, cols].transpose(0, 1)[None]
         write_kv(kc, vc, batch.write, k.transpose(1, 2), v)  # rows [b, n]: no reshape, whose views specialise n
-        return batch.attention(q, kc, vc, self.scaling)
+        return batch.attention(q, kc, vc, scale)
 
     def _mix(self, li: int, layer: nn.Module, x: torch.Tensor, batch: Batch, rope: Rope) -> torch.Tensor:
         """Layer `li`'s token mixer on its normed input x [b, n, H] (ragged: [1, T, H]): self-attention over the
         paged cache."""
+        return self._self_attention(layer, x, *self.layer_kv(li), batch, rope)
+
+    def _self_attention(self, layer: nn.Module, x: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: Batch,
+                        rope: Rope) -> torch.Tensor:
+        """An attention layer's mixer over its cache tensors kc / vc (no layer index: a compiled layer region
+        serves every layer with one graph)."""
         attn = layer.self_attn
         b, n = x.shape[0], x.shape[1]
         q = attn.q_proj(x).view(b, n, self.num_heads, self.head_dim)
@@ -263,11 +275,21 @@ class NativeTarget(TargetRunner):
             q, k = attn.q_norm(q), attn.k_norm(k)
         cos, sin = rope
         q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
-        out = self._attend(li, q, k, v, batch)
+        out = self._attend(q, k, v, kc, vc, batch, self.scaling)
         return attn.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
-    def _trunk(self, ids: torch.Tensor, batch: Batch, features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The layers over token ids [b, n]: final-normed hidden states, and the draft features when asked."""
+    def attention_layer(self, layer: nn.Module, h: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: Batch,
+                        rope: Rope) -> torch.Tensor:
+        """One whole attention layer, residuals included, over its cache tensors: what a compiled layer region
+        runs (`native_static.py`)."""
+        h = h + self._self_attention(layer, layer.input_layernorm(h), kc, vc, batch, rope)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def _trunk(
+        self, ids: torch.Tensor, batch: Batch, features: bool, run_layer: LayerStep | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layers over token ids [b, n]: final-normed hidden states, and the draft features when asked.
+        `run_layer` (li, layer, h, batch, rope) -> h runs each layer (default: its mixer, then its MLP)."""
         h = self.embed_tokens(ids)
         pos = batch.pos if batch.flat is None else batch.pos[batch.flat][None]
         rope = self.rotary(h, rotary_positions(self.rotary, pos))
@@ -278,6 +300,9 @@ class NativeTarget(TargetRunner):
         for li, layer in enumerate(self.layers):
             if li in hidden_ids:
                 hidden[li] = h
+            if run_layer is not None:
+                h = run_layer(li, layer, h, batch, rope)
+                continue
             h = h + self._mix(li, layer, layer.input_layernorm(h), batch, rope)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = self.norm(h)

@@ -29,7 +29,7 @@ import torch
 from dflash_core.attention import PagedAttention, attention_kernel, prepare
 from dflash_core.compile import StaticShapes, kv_bucket, timed_warm_up
 from dflash_core.runners.base import TargetOutput
-from dflash_core.runners.native import Batch, Rows
+from dflash_core.runners.native import Batch, Rope, Rows
 from dflash_core.transfer import HostToDevice
 
 if TYPE_CHECKING:
@@ -53,9 +53,17 @@ class StaticStep:
         # flex only in a compiled step (eager flex materialises the scores); eager padded steps gather + SDPA
         self.kernel = attention_kernel(runner.device) if shapes.compiled else "sdpa"
         prepare(runner.device, self.kernel)
-        # ids, pos, write rows [b, n], block tables [b, M] (+ the flex BlockMask, marked in `call`): one graph over
-        # every batch, width and key bucket
-        self.fn = shapes.wrap(self._forward, runner.device, dynamic={i: (0, 1) for i in range(4)})
+        self.region: Any = None
+        if shapes.by_layer(runner.device):
+            # the step runs eagerly around ONE compiled layer region, which every layer calls with its own
+            # weights and cache tensors: (layer, h, kc, vc, cos, sin, write, gather index, mask, flex BlockMask)
+            dims = {1: (0, 1), 4: (0, 1), 5: (0, 1), 6: (0, 1), 7: (0, 1), 8: (0, 2, 3)}
+            self.region = shapes.wrap(self._layer_region, runner.device, dynamic=dims)
+            self.fn = self._forward
+        else:
+            # ids, pos, write rows [b, n], block tables [b, M] (+ the flex BlockMask, marked in `call`): one graph
+            # over every batch, width and key bucket
+            self.fn = shapes.wrap(self._forward, runner.device, dynamic={i: (0, 1) for i in range(4)})
 
     def table_width(self, kv_len: int) -> int:
         """Table entries of a step whose keys reach kv_len: its key bucket in blocks."""
@@ -73,8 +81,25 @@ class StaticStep:
         else:
             attention = PagedAttention(table, pos, self.kv_block, r.kv_rows_total)
         batch = Batch((), b, n, None, pos, None, table, write, attention, static=True)
-        h, feat = r._trunk(ids, batch, bool(r.layer_ids))
+        h, feat = r._trunk(ids, batch, bool(r.layer_ids), self._run_region if self.region is not None else None)
         return r.lm_head(h).float(), feat
+
+    def _run_region(self, li: int, layer: torch.nn.Module, h: torch.Tensor, batch: Batch, rope: Rope) -> torch.Tensor:
+        """Layer `li` through the compiled layer region: its weights and cache tensors are the region's inputs."""
+        a = batch.attention
+        return self.region(layer, h, *self.runner.layer_kv(li), *rope, batch.write, a.index, a.mask, a.flex_mask)
+
+    def _layer_region(
+        self, layer: torch.nn.Module, h: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, cos: torch.Tensor,
+        sin: torch.Tensor, write: torch.Tensor, index: torch.Tensor | None, mask: torch.Tensor | None, flex: Any,
+    ) -> torch.Tensor:
+        """One attention layer of the padded step (no layer index, no Python ints of the step's shape: one graph
+        for every layer, batch, width and key bucket)."""
+        b, n = h.shape[0], h.shape[1]
+        kvb = self.kv_block
+        attention = PagedAttention.flex(flex, kvb) if flex is not None else PagedAttention.gathered(index, mask, kvb)
+        batch = Batch((), b, n, None, write, None, write, write, attention, static=True)  # only write is read
+        return self.runner.attention_layer(layer, h, kc, vc, batch, (cos, sin))
 
     def padding(self, bb: int, nb: int, width: int) -> Inputs:
         """The inputs of a step of padding only: token 0 at position 0, written into the null block."""
@@ -126,15 +151,15 @@ class StaticStep:
         return mask
 
     def warm_up(self) -> float:
-        """Compile every (batch, width) bucket, and on CUDA record the graph of every (batch, width, key bucket)
-        shape (`StaticShapes.warm_up_keys`); padding only. Returns the seconds it took."""
+        """Compile the step, and on CUDA record the graph of every (batch, width, key bucket) shape
+        (`StaticShapes.warm_up_plan`); padding only. Returns the seconds it took."""
         st = self.shapes
-        keys, calls = st.warm_up_keys(self.runner.device, self.cap)
+        plan = st.warm_up_plan(self.runner.device, self.cap, graph_per_width=self.kernel == "flex")
         runs = [
             (lambda bb=bb, nb=nb, kv=kv: self.call(bb, nb, self.padding(bb, nb, self.table_width(kv))))
-            for bb in st.batch_sizes for nb in st.widths for kv in keys
+            for bb in plan.batch_sizes for nb in plan.widths for kv in plan.keys
         ]
-        seconds = timed_warm_up("native target", runs, log, calls)
+        seconds = timed_warm_up("native target", runs, log, plan.calls)
         st.calls.clear()
         return seconds
 
