@@ -116,8 +116,12 @@ class PagedAttention:
 
             return flex_attention_over_cache(q, k_cache, v_cache, self.flex_mask, scale, self.kv_block)
         assert self.index is not None
-        keys = k_cache[self.index].transpose(1, 2)  # [b, kv_heads, L, d]
-        values = v_cache[self.index].transpose(1, 2)
+        # [b, kv_heads, L, d]; index_select copies whole rows (advanced indexing, `k_cache[index]`, costs ~6x on a
+        # CPU: its generic kernel walks every element)
+        b, length = self.index.shape
+        flat = self.index.reshape(-1)
+        keys = k_cache.index_select(0, flat).view(b, length, *k_cache.shape[1:]).transpose(1, 2)
+        values = v_cache.index_select(0, flat).view(b, length, *v_cache.shape[1:]).transpose(1, 2)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, scale=scale,
                                               enable_gqa=q.shape[1] != keys.shape[1])
 

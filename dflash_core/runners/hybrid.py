@@ -119,6 +119,7 @@ class HybridTarget(NativeTarget):
     slot-indexed convolution windows and recurrent states, with exact rollback (see the module docstring)."""
 
     ragged = False  # the Gated DeltaNet mixers run per row over [b, n]
+    packs_layers = False  # its own mixers (`_mix`) run every layer
     prefix_cacheable = True  # a hit resumes from a state checkpoint at its last block (see the module docstring)
     checkpointing = False  # keep each request's state at its last block boundary (the KV manager turns it on)
     _chunked = False  # the running forward is a prefill (logits of its last row only): the chunked rule

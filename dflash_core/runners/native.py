@@ -35,6 +35,7 @@ from dflash_core.compile import StaticShapes
 from dflash_core.kv.pool import DEFAULT_KV_BLOCK, blocks_for, slot_layout_blocks
 from dflash_core.layers import apply_rope
 from dflash_core.runners.base import TargetOutput, TargetRow, TargetRunner
+from dflash_core.runners.dense import DenseLayer, dense_layer
 
 log = logging.getLogger("dflash.native")
 
@@ -99,6 +100,7 @@ class NativeTarget(TargetRunner):
     model_types: tuple[str, ...] = SUPPORTED_MODEL_TYPES
     ragged = True  # eager rows of different lengths run unpadded (subclasses whose mixers need [b, n]: False)
     prefix_cacheable = True  # a request's state is its KV rows alone: it may start from blocks another one wrote
+    packs_layers = True  # self-attention layers run as `DenseLayer`s (subclasses with their own mixers: False)
 
     def __init__(
         self, model: nn.Module, layer_ids: list[int] | None, max_slots: int, max_len: int,
@@ -137,6 +139,10 @@ class NativeTarget(TargetRunner):
                            else int(num_blocks))
         if self.num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2, the null block and one more (got {self.num_blocks})")
+        # each plain self-attention layer as packed weights and a few tensor ops (None: the layer's modules run it)
+        self.dense: list[DenseLayer | None] = (
+            [dense_layer(layer, self.num_heads, self.num_kv_heads, self.head_dim) for layer in self.layers]
+            if self.packs_layers else [None] * self.num_layers)
         self.static = static
         prepare(self.device)
         self._allocate()
@@ -278,10 +284,18 @@ class NativeTarget(TargetRunner):
         out = self._attend(q, k, v, kc, vc, batch, self.scaling)
         return attn.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
+    def layer_module(self, li: int) -> nn.Module:
+        """What runs layer `li`: its `DenseLayer`, or the transformers layer."""
+        dense = self.dense[li]
+        return self.layers[li] if dense is None else dense
+
     def attention_layer(self, layer: nn.Module, h: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, batch: Batch,
                         rope: Rope) -> torch.Tensor:
-        """One whole attention layer, residuals included, over its cache tensors: what a compiled layer region
-        runs (`native_static.py`)."""
+        """One whole attention layer (`layer_module`), residuals included, over its cache tensors: what every
+        forward runs per layer, and a compiled layer region (`native_static.py`)."""
+        if isinstance(layer, DenseLayer):
+            q, k, v = layer.project(h, *rope)
+            return layer.finish(h, self._attend(q, k, v, kc, vc, batch, self.scaling))
         h = h + self._self_attention(layer, layer.input_layernorm(h), kc, vc, batch, rope)
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
@@ -302,6 +316,10 @@ class NativeTarget(TargetRunner):
                 hidden[li] = h
             if run_layer is not None:
                 h = run_layer(li, layer, h, batch, rope)
+                continue
+            dense = self.dense[li]
+            if dense is not None:
+                h = self.attention_layer(dense, h, *self.layer_kv(li), batch, rope)
                 continue
             h = h + self._mix(li, layer, layer.input_layernorm(h), batch, rope)
             h = h + layer.mlp(layer.post_attention_layernorm(h))

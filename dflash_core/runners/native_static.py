@@ -87,7 +87,8 @@ class StaticStep:
     def _run_region(self, li: int, layer: torch.nn.Module, h: torch.Tensor, batch: Batch, rope: Rope) -> torch.Tensor:
         """Layer `li` through the compiled layer region: its weights and cache tensors are the region's inputs."""
         a = batch.attention
-        return self.region(layer, h, *self.runner.layer_kv(li), *rope, batch.write, a.index, a.mask, a.flex_mask)
+        return self.region(self.runner.layer_module(li), h, *self.runner.layer_kv(li), *rope, batch.write, a.index,
+                           a.mask, a.flex_mask)
 
     def _layer_region(
         self, layer: torch.nn.Module, h: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, cos: torch.Tensor,
