@@ -17,7 +17,7 @@ from torch import nn
 from dflash_core.attention import write_kv
 from dflash_core.config import DraftConfig
 from dflash_core.draft_formats import read_draft_config, read_draft_weights
-from dflash_core.layers import RMSNorm, RopeFrequencies, apply_rope, rope_inv_freq
+from dflash_core.layers import RMSNorm, RopeFrequencies, apply_rope, pack_linears, rms_norm, rope_inv_freq
 
 # (layer, x, cos_q, sin_q, ctx, cos_c, sin_c, kc, vc, rows, table, mask) -> x: `layer_region`, its kv_block bound
 LayerRegion = Callable[..., torch.Tensor]
@@ -42,6 +42,22 @@ class DraftAttention(nn.Module):
         sliding = layer_type == "sliding_attention"
         self.is_causal = sliding if cfg.is_causal is None else bool(cfg.is_causal)
         self.sliding_window = cfg.sliding_window if sliding else None
+        # `pack`: q/k/v weights as one tensor (non-persistent: the checkpoint keeps its own names)
+        self.qkv: torch.Tensor | None
+        self.qkv_bias: torch.Tensor | None
+        self.qk_norm: torch.Tensor | None  # [heads + kv_heads, d]: q_norm's weight per query head, then k_norm's
+        for name in ("qkv", "qkv_bias", "qk_norm"):
+            self.register_buffer(name, None, persistent=False)
+
+    def pack(self) -> None:
+        """Serve with one matrix multiply for the queries, keys and values (the projections' weights become views of
+        it) and one norm for the queries and keys; idempotent. Training does not pack."""
+        if self.qkv is not None:
+            return
+        weight, bias = pack_linears([self.q_proj, self.k_proj, self.v_proj])
+        self.qkv, self.qkv_bias = weight.data, None if bias is None else bias.data
+        self.qk_norm = torch.cat([self.q_norm.weight.detach().expand(self.num_heads, self.head_dim),
+                                  self.k_norm.weight.detach().expand(self.num_kv_heads, self.head_dim)])
 
     def _heads(self, x: torch.Tensor, n_heads: int) -> torch.Tensor:
         return x.view(x.shape[0], x.shape[1], n_heads, self.head_dim).transpose(1, 2)
@@ -50,8 +66,30 @@ class DraftAttention(nn.Module):
         self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of projected context rows: [b, kv_heads, n, d]."""
+        if self.qkv is not None:  # packed: the key and value rows of the packed weight, one multiply
+            q_size = self.num_heads * self.head_dim
+            bias = None if self.qkv_bias is None else self.qkv_bias[q_size:]
+            k, v = F.linear(ctx, self.qkv[q_size:], bias).split(self.num_kv_heads * self.head_dim, dim=-1)
+            return apply_rope(self.k_norm(self._heads(k, self.num_kv_heads)), cos, sin), self._heads(
+                v, self.num_kv_heads)
         k = apply_rope(self.k_norm(self._heads(self.k_proj(ctx), self.num_kv_heads)), cos, sin)
         return k, self._heads(self.v_proj(ctx), self.num_kv_heads)
+
+    def _block_qkv(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The block rows' queries [b, heads, q, d], keys and values [b, kv_heads, q, d]: normed and rotated."""
+        if self.qkv is None:
+            q = apply_rope(self.q_norm(self._heads(self.q_proj(h), self.num_heads)), cos, sin)
+            k = apply_rope(self.k_norm(self._heads(self.k_proj(h), self.num_kv_heads)), cos, sin)
+            return q, k, self._heads(self.v_proj(h), self.num_kv_heads)
+        assert self.qk_norm is not None
+        b, n = h.shape[0], h.shape[1]
+        qk_size = (self.num_heads + self.num_kv_heads) * self.head_dim
+        qkv = F.linear(h, self.qkv, self.qkv_bias)
+        qk = qkv[..., :qk_size].view(b, n, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rope(rms_norm(qk, self.qk_norm, self.q_norm.eps).transpose(1, 2), cos, sin)
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], self._heads(qkv[..., qk_size:], self.num_kv_heads)
 
     def forward(
         self,
@@ -62,9 +100,7 @@ class DraftAttention(nn.Module):
         ctx_v: torch.Tensor,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        q = apply_rope(self.q_norm(self._heads(self.q_proj(h), self.num_heads)), cos, sin)
-        k_blk = apply_rope(self.k_norm(self._heads(self.k_proj(h), self.num_kv_heads)), cos, sin)
-        v_blk = self._heads(self.v_proj(h), self.num_kv_heads)
+        q, k_blk, v_blk = self._block_qkv(h, cos, sin)
         k = torch.cat([ctx_k, k_blk], dim=2)
         v = torch.cat([ctx_v, v_blk], dim=2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads)
@@ -79,8 +115,18 @@ class DraftMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         if cfg.hidden_act not in ("silu", "swish"):
             raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r} in draft config")
+        self.gate_up: torch.Tensor | None
+        self.register_buffer("gate_up", None, persistent=False)
+
+    def pack(self) -> None:
+        """Serve with one matrix multiply for the gate and up projections (theirs become views of it)."""
+        if self.gate_up is None:
+            self.gate_up = pack_linears([self.gate_proj, self.up_proj])[0].data
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = F.linear(x, self.gate_up).split(self.gate_proj.weight.shape[0], dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -330,6 +376,12 @@ class DFlashDraft(nn.Module):
         for name, before in kept.items():
             self._buffers[name] = before.to(device=self._buffers[name].device, dtype=torch.float32)
         return self
+
+    def pack(self) -> None:
+        """Pack every layer's projections for serving (`DraftAttention.pack`, `DraftMLP.pack`); idempotent."""
+        for layer in self.layers:
+            layer.self_attn.pack()
+            layer.mlp.pack()
 
     @property
     def rope_frequencies(self) -> RopeFrequencies:

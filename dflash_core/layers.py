@@ -15,8 +15,35 @@ from torch import nn
 REFUSED_ROPE_TYPES: dict[str, str] = {}
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm, op for op (normed in float32, cast back to x's dtype, then times the weight; on a CPU
+    faster than `F.rms_norm`, which composes more ops). `weight` may have more dimensions than one (per-head
+    weights: [heads, d] over x [..., heads, d])."""
+    y = x.float()
+    y = y * torch.rsqrt(torch.mean(y * y, -1, keepdim=True).add_(eps))
+    return weight * y.to(x.dtype)
+
+
+def pack_linears(linears: list[nn.Linear]) -> tuple[nn.Parameter, nn.Parameter | None]:
+    """The linears' weights (and biases) as one packed tensor each; each linear's own becomes a view of it."""
+    weight = nn.Parameter(torch.cat([lin.weight.detach() for lin in linears]), requires_grad=False)
+    has_bias = [lin.bias is not None for lin in linears]
+    if any(has_bias) and not all(has_bias):
+        raise ValueError("some projections have a bias and some do not")
+    bias = nn.Parameter(torch.cat([lin.bias.detach() for lin in linears]), requires_grad=False) if all(
+        has_bias) else None
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(weight.data[start : start + rows], requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias.data[start : start + rows], requires_grad=False)
+        start += rows
+    return weight, bias
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, as Qwen3/Llama do."""
+    """Root-mean-square norm computed in float32, as Qwen3/Llama do (`rms_norm`)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -24,10 +51,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 @dataclass(frozen=True)

@@ -660,6 +660,30 @@ def test_capacity_mode_tiny_pair(pair: tuple[Path, Path], tmp_path: Path, capsys
     assert p["identical_to_target_alone"] == 4 and p["roomy"]["kv"]["preemptions"] == 0
 
 
+def test_profile_mode_tiny_pair(pair: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`dflash-bench profile`: un-profiled totals of both engines, and a breakdown whose shares make up the step."""
+    from dflash_core.bench.profile import CATEGORIES
+
+    target, draft = pair
+    rc = bench.main(["profile", "--target", str(target), "--draft", str(draft), "--prompts", "1", "--max-tokens", "8",
+                     "--output-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "ms / step" in out and "py: engine rest" in out and "profiler inflates" in out
+    data = json.loads((tmp_path / "profile.json").read_text())
+    assert data["mode"] == "profile" and data["config"]["speculation"] == "fixed"
+    for name in ("plain", "dflash"):
+        e = data[name]
+        assert e["output_tokens"] == 8 and e["steps"] >= 1 and e["tokens_per_s"] > 0
+        share = e["profiled"]["share"]
+        assert set(share) == set(CATEGORIES)
+        assert all(v >= -0.02 for v in share.values()), share
+        assert sum(share.values()) == pytest.approx(1.0, abs=0.03)
+        assert share["ops: matmul"] > 0 and share["py: target forward"] > 0
+    assert data["plain"]["profiled"]["share"]["py: draft"] == 0 and data["dflash"]["profiled"]["share"]["py: draft"] > 0
+    assert data["plain"]["steps"] == 8 and data["dflash"]["tokens_per_step"] >= 1
+
+
 def test_serve_shared_prefix(server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`serve --shared-prefix-tokens`: every prompt starts with the same system text, and each level reports the
     server's prefix-cache hit rate (null when its /metrics has no such counters)."""

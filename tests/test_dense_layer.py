@@ -59,3 +59,34 @@ def test_native_runner_packs_every_plain_layer():
     model = make_target(None, arch="qwen3", layers=3, seed=1)
     runner = NativeTarget(model, [0], max_slots=2, max_len=64)
     assert all(isinstance(runner.layer_module(i), DenseLayer) for i in range(3))
+
+
+def test_packed_draft_equals_unpacked_and_saves_the_same_checkpoint():
+    """`DFlashDraft.pack` (what the drafter serves with): the same hidden states, context keys and checkpoint names,
+    the projections' weights views of the packed ones; packing twice changes nothing."""
+    from dflash_core.config import DraftConfig
+    from dflash_core.draft import DFlashDraft, DraftKVCache
+
+    torch.manual_seed(0)
+    cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=50, num_target_layers=6, block_size=4, mask_token_id=1)
+    draft = DFlashDraft(cfg).eval()
+    feats = torch.randn(2, 30, len(cfg.target_layer_ids) * 32)
+    block, block_pos = torch.randn(2, 4, 32), torch.arange(30, 34)[None].expand(2, 4)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        cache = DraftKVCache(2)
+        out = draft(block, block_pos, feats, torch.arange(30)[None].expand(2, 30), cache)
+        return out, cache.k[0][:, :, : cache.length]  # the rows written (the buffer is larger)
+
+    with torch.inference_mode():
+        keys = set(draft.state_dict())
+        want, want_k = run()
+        draft.pack()
+        draft.pack()
+        got, got_k = run()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_k, want_k, rtol=1e-6, atol=1e-6)
+    assert set(draft.state_dict()) == keys
+    attn = draft.layers[0].self_attn
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.qkv.untyped_storage().data_ptr()

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from dflash_core.bench import gpu_check, kv_capacity, prefix
+from dflash_core.bench import gpu_check, kv_capacity, prefix, profile
 from dflash_core.bench.errors import BenchError
 from dflash_core.bench.measure import header
 from dflash_core.bench.memory import format_memory, memory_from_preset
@@ -60,7 +60,8 @@ def _concurrency(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `dflash-bench` command line: the offline, serve, stall, memory, prefix, capacity and gpu-check modes."""
+    """The `dflash-bench` command line: the offline, serve, stall, memory, prefix, capacity, profile and gpu-check
+    modes."""
     p = argparse.ArgumentParser(
         prog="dflash-bench",
         description="DFlash vs plain decoding, measured side by side.",
@@ -105,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     gpu_check.add_parser(sub)
     prefix.add_parser(sub)  # before offline: the help test reads the lines after offline, serve, stall and memory
     kv_capacity.add_parser(sub)
+    profile.add_parser(sub)
     off = sub.add_parser(
         "offline",
         help="in-process: plain vs DFlash decoding of one target",
@@ -219,8 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.mode == "gpu-check":
         return gpu_check.main(args)
-    if args.mode in ("prefix", "capacity"):
-        return (prefix if args.mode == "prefix" else kv_capacity).main(args, argv)
+    if args.mode in ("prefix", "capacity", "profile"):
+        return {"prefix": prefix, "capacity": kv_capacity, "profile": profile}[args.mode].main(args, argv)
     if args.mode == "memory":
         try:
             print(format_memory([memory_from_preset(path) for path in args.presets]))

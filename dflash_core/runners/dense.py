@@ -18,18 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_core.layers import apply_rope
+from dflash_core.layers import apply_rope, pack_linears, rms_norm
 
-__all__ = ["DenseLayer", "dense_layer", "rms_norm"]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm, op for op (normed in float32, cast back to x's dtype, then times the weight; on a CPU
-    faster than `F.rms_norm`, which composes more ops). `weight` may have more dimensions than one (per-head
-    weights: [heads, d] over x [..., heads, d])."""
-    y = x.float()
-    y = y * torch.rsqrt(torch.mean(y * y, -1, keepdim=True).add_(eps))
-    return weight * y.to(x.dtype)
+__all__ = ["DenseLayer", "dense_layer"]
 
 
 def _eps(norm: nn.Module) -> float:
@@ -38,24 +29,6 @@ def _eps(norm: nn.Module) -> float:
         if isinstance(value, float):
             return value
     raise ValueError(f"{type(norm).__name__} has no epsilon")
-
-
-def _pack(linears: list[nn.Linear]) -> tuple[nn.Parameter, nn.Parameter | None]:
-    """The linears' weights (and biases) as one packed tensor each; each linear's own becomes a view of it."""
-    weight = nn.Parameter(torch.cat([lin.weight.detach() for lin in linears]), requires_grad=False)
-    has_bias = [lin.bias is not None for lin in linears]
-    if any(has_bias) and not all(has_bias):
-        raise ValueError("some projections have a bias and some do not")
-    bias = nn.Parameter(torch.cat([lin.bias.detach() for lin in linears]), requires_grad=False) if all(
-        has_bias) else None
-    start = 0
-    for lin in linears:
-        rows = lin.weight.shape[0]
-        lin.weight = nn.Parameter(weight.data[start : start + rows], requires_grad=False)
-        if bias is not None:
-            lin.bias = nn.Parameter(bias.data[start : start + rows], requires_grad=False)
-        start += rows
-    return weight, bias
 
 
 class DenseLayer(nn.Module):
@@ -69,7 +42,7 @@ class DenseLayer(nn.Module):
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.norm_in, self.norm_post = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
         self.eps = _eps(layer.input_layernorm)
-        self.qkv, self.qkv_bias = _pack([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.qkv, self.qkv_bias = pack_linears([attn.q_proj, attn.k_proj, attn.v_proj])
         self.o, self.o_bias = attn.o_proj.weight, attn.o_proj.bias
         # [heads + kv_heads, d]: q_norm's weight for each query head, then k_norm's for each key head (Qwen3; Llama
         # and Qwen2 have none)
@@ -88,7 +61,7 @@ class DenseLayer(nn.Module):
             if not isinstance(act, nn.SiLU) and type(act).__name__ not in ("SiLU", "SiLUActivation"):
                 raise ValueError(f"MLP activation {type(act).__name__}: the packed layer runs SiLU only")
             self.intermediate = mlp.gate_proj.weight.shape[0]
-            self.gate_up, _ = _pack([mlp.gate_proj, mlp.up_proj])
+            self.gate_up, _ = pack_linears([mlp.gate_proj, mlp.up_proj])
             self.down = mlp.down_proj.weight
         else:
             self.mlp = mlp  # a sparse MoE block: its own forward

@@ -70,6 +70,7 @@ class DFlashDrafter(Drafter):
     ) -> None:
         if window is not None and window < 1:
             raise ValueError(f"draft window must be >= 1, got {window}")
+        draft.pack()  # one multiply for q/k/v and for gate/up (the projections' weights become views)
         self.draft = draft
         self.target = target
         self.block_size = int(block_size or draft.block_size)
