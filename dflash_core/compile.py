@@ -82,7 +82,9 @@ def probe_cpu_compiler(device: torch.device) -> list[threading.Thread]:
     Before its first C++ kernel, inductor builds and loads a test program for each instruction set the CPU reports
     (AMX, AVX-512 VNNI, AVX-512, AVX2), one after another: about 20 s on 2 cores with an empty compile cache. Started
     when loading begins, the checks run side by side and under the weights' loading and dynamo's trace; inductor
-    then finds their results cached (the checks and their results are torch's own). Returns the threads started."""
+    then finds their results cached (the checks and their results are torch's own). The first compiled call waits
+    for them (`wait_for_cpu_probes`): a check still running while inductor checks the same instruction set would
+    race on its compiler flags. Returns the threads started."""
     if device.type != "cpu":
         return []
     try:
@@ -96,7 +98,17 @@ def probe_cpu_compiler(device: torch.device) -> list[threading.Thread]:
     threads = [threading.Thread(target=bool, args=(isa,), name=f"isa-probe-{isa}", daemon=True) for isa in isas]
     for t in threads:
         t.start()
+    _PROBES.extend(threads)
     return threads
+
+
+_PROBES: list[threading.Thread] = []  # vector-set checks started by `probe_cpu_compiler`, not yet waited for
+
+
+def wait_for_cpu_probes() -> None:
+    """Wait for the vector-set checks `probe_cpu_compiler` started (before anything compiles)."""
+    while _PROBES:
+        _PROBES.pop().join()
 
 
 def use_compile_cache(directory: str | None) -> None:
@@ -217,6 +229,7 @@ class StepFunction:
 
     def __call__(self, *args: Any) -> Any:
         if self.compiled:
+            wait_for_cpu_probes()
             for i, dims in self.dynamic.items():
                 if isinstance(args[i], torch.Tensor):  # an optional input may be None (the kernel's other one)
                     for d in dims:

@@ -1,7 +1,8 @@
 """Our layers: RMSNorm and rotary position embeddings (RoPE) with every scaling type transformers defines.
 
-The draft model uses all of them. The native target runner uses `apply_rope` only: it runs the target's own
-norms and rotary module (so a target's RoPE scaling is whatever transformers implements for it)."""
+The draft model uses all of them. The native target runner uses `rms_norm`, `pack_linears` and `apply_rope` (its
+packed layers, `runners/dense.py`) and the target's own rotary module (so a target's RoPE scaling is whatever
+transformers implements for it)."""
 
 from __future__ import annotations
 

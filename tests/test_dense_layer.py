@@ -90,3 +90,28 @@ def test_packed_draft_equals_unpacked_and_saves_the_same_checkpoint():
     assert set(draft.state_dict()) == keys
     attn = draft.layers[0].self_attn
     assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.qkv.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("override", [dict(mlp_bias=True), dict(hidden_act="gelu")])
+def test_mlp_the_packed_layer_cannot_run_keeps_its_module(override):
+    """A Llama MLP with biases, or another activation than SiLU: the layer keeps its MLP module (nothing of the MLP
+    packed) and its output still equals transformers'."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(2)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, **override)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    layer = model.model.layers[0]
+    h = torch.randn(1, 5, 64)
+    with torch.inference_mode():
+        cos, sin = model.model.rotary_emb(h, torch.arange(5)[None])
+        want = _reference_layer(layer, h, cos, sin)
+        d = dense_layer(layer, 4, 2, 16)
+        assert d is not None and d.mlp is layer.mlp
+        assert layer.mlp.gate_proj.weight.untyped_storage().data_ptr() != layer.mlp.up_proj.weight.untyped_storage(
+        ).data_ptr()
+        q, k, v = d.project(h, cos, sin)
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(2, 1), v.transpose(1, 2).repeat_interleave(2, 1), is_causal=True, scale=16**-0.5)
+        torch.testing.assert_close(d.finish(h, attended), want, rtol=1e-5, atol=1e-5)

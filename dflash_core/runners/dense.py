@@ -3,13 +3,15 @@
 The native runner's layers run through `DenseLayer` instead of the transformers modules: a step's fixed cost on a
 CPU (and its host time on a GPU) is mostly per-op and per-module overhead, not arithmetic. The query, key and value
 projections are ONE matrix multiply (their weights packed into one tensor), so are the MLP's gate and up
-projections; the q/k norms of Qwen3 and RoPE run once over the queries and keys together; the RMS norms are
-`F.rms_norm`; no `nn.Module.__call__` per projection. About 25 ops a layer instead of about 80.
+projections; the q/k norms of Qwen3 and RoPE run once over the queries and keys together; no `nn.Module.__call__`
+per projection. About 25 ops a layer instead of about 80.
 
 The math is transformers' (float32 norms cast back before the weight, as its RMSNorm; SiLU-gated MLP), and the
 packed weights are the model's own storage: the original modules' weights become views of the packed tensors, so
-memory does not grow and the transformers model still runs (the hf path, training). A layer whose MLP is not the
-gate/up/down kind (a sparse MoE block) keeps its MLP module.
+memory does not grow and the transformers model still runs. A layer whose MLP is not a bias-free SiLU gate/up/down
+(a sparse MoE block, another activation, biases) keeps its MLP module. The runner owns the packing: build it after
+the model is on its device and dtype, and do not move or reload the model under it (the packed tensors and the q/k
+norm weights would no longer be the model's).
 """
 
 from __future__ import annotations
@@ -36,8 +38,17 @@ class DenseLayer(nn.Module):
     (output projection, residual, MLP) after it. The caller attends (its own cache and kernel)."""
 
     def __init__(self, layer: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        # the MLP's kind first: nothing is packed for a layer that is refused
+        dense_mlp = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")) and not hasattr(
+            mlp, "experts")
+        if dense_mlp:
+            act = getattr(mlp, "act_fn", None)
+            if not isinstance(act, nn.SiLU) and type(act).__name__ not in ("SiLU", "SiLUActivation"):
+                dense_mlp = False  # another activation: the module runs it
+            elif any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
+                dense_mlp = False  # Llama's mlp_bias: the module runs it
         super().__init__()
-        attn = layer.self_attn
         self.heads, self.kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.norm_in, self.norm_post = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
@@ -54,17 +65,13 @@ class DenseLayer(nn.Module):
             qk_norm = torch.cat([attn.q_norm.weight.detach().expand(num_heads, head_dim),
                                  attn.k_norm.weight.detach().expand(num_kv_heads, head_dim)])
         self.register_buffer("qk_norm", qk_norm)
-        mlp = layer.mlp
         self.mlp: nn.Module | None = None
-        if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")) and not hasattr(mlp, "experts"):
-            act = getattr(mlp, "act_fn", None)
-            if not isinstance(act, nn.SiLU) and type(act).__name__ not in ("SiLU", "SiLUActivation"):
-                raise ValueError(f"MLP activation {type(act).__name__}: the packed layer runs SiLU only")
+        if dense_mlp:
             self.intermediate = mlp.gate_proj.weight.shape[0]
             self.gate_up, _ = pack_linears([mlp.gate_proj, mlp.up_proj])
             self.down = mlp.down_proj.weight
         else:
-            self.mlp = mlp  # a sparse MoE block: its own forward
+            self.mlp = mlp  # a sparse MoE block, another activation, biases: its own forward
 
     def project(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

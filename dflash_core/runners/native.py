@@ -1,7 +1,8 @@
 """The `native` target backend: a lean batched forward over a paged KV cache, written by position.
 
-It reuses the weights and modules of a loaded transformers Qwen3 / Llama / Qwen2 model (projections, norms, MLP,
-rotary embedding), but runs its own attention over a paged cache (`dflash_core/attention.py`): per layer one key
+It reuses the weights of a loaded transformers Qwen3 / Llama / Qwen2 / Qwen3-MoE model, each plain layer packed
+(`DenseLayer`, `runners/dense.py`: one QKV and one gate/up matmul, a few tensor ops) and its rotary module, but runs
+its own attention over a paged cache (`dflash_core/attention.py`): per layer one key
 and one value tensor `[num_blocks * kv_block, kv_heads, head_dim]` of flat rows, block `b` holding rows
 `b * kv_block ..`. Each request's cache (`Slot`) carries its block table, the engine's list of block ids (grown by
 the engine before each forward); position p lives in row `blocks[p // kv_block] * kv_block + p % kv_block`. Tokens
