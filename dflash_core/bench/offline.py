@@ -114,6 +114,16 @@ def _summary(rows: list[dict[str, Any]], bsz: int, greedy: bool) -> dict[str, An
     }
 
 
+def plain_twin(dflash: Any) -> Any:
+    """A plain-decoding engine beside `dflash`: the same runner, so the same slots, and the same scheduler settings,
+    so prompts are prefilled in the same chunks."""
+    from dflash_core.engine import Engine
+
+    return Engine(dflash.target, None, eos_token_ids=dflash.eos_token_ids, max_model_len=dflash.max_model_len,
+                  kv=dflash.kv, max_num_batched_tokens=dflash.scheduler.max_num_batched_tokens,
+                  prefill_chunk=dflash.scheduler.prefill_chunk)
+
+
 def run_offline(
     prompts: list[Prompt],
     *,
@@ -138,7 +148,6 @@ def run_offline(
     """Plain decoding and DFlash on the same target, interleaved prompt by prompt: the `offline` result
     without its header. Raises IdentityError when greedy outputs differ. No target: the demo pair. `threads`:
     torch's CPU threads (None: the engine's default, 1 on a CPU device)."""
-    from dflash_core.engine import Engine
     from dflash_core.loading import load_models
     from dflash_core.sampling import SamplingParams
 
@@ -155,10 +164,7 @@ def run_offline(
     dflash = models.engine
     if dflash.drafter is None:
         raise BenchError("offline needs a draft with block size >= 2")
-    # the same runner, so the same slots; the same scheduler settings, so prompts are prefilled in the same chunks
-    plain = Engine(dflash.target, None, eos_token_ids=dflash.eos_token_ids, max_model_len=dflash.max_model_len,
-                   kv=dflash.kv, max_num_batched_tokens=dflash.scheduler.max_num_batched_tokens,
-                   prefill_chunk=dflash.scheduler.prefill_chunk)
+    plain = plain_twin(dflash)
     bsz = dflash.block_size
     encoded = [encode_prompt(models.tokenizer, p.messages) for p in prompts]
 

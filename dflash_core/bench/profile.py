@@ -21,7 +21,7 @@ from typing import Any
 
 from dflash_core.bench.errors import BenchError
 from dflash_core.bench.measure import environment
-from dflash_core.bench.offline import encode_prompt
+from dflash_core.bench.offline import encode_prompt, plain_twin
 from dflash_core.bench.prefix import write_result
 from dflash_core.bench.prompts import load_prompts
 from dflash_core.cli_help import HelpFormatter
@@ -165,7 +165,6 @@ def run_profile(*, target: str | None = None, draft: str | None = None, num_prom
     import torch
 
     from dflash_core.config import EngineConfig
-    from dflash_core.engine import Engine
     from dflash_core.loading import load_models
     from dflash_core.sampling import SamplingParams
 
@@ -179,10 +178,7 @@ def run_profile(*, target: str | None = None, draft: str | None = None, num_prom
     dflash = models.engine
     if dflash.drafter is None:
         raise BenchError("profile needs a draft with block size >= 2")
-    # the same runner and scheduler settings: the same slots, the same prefill chunks (as `offline`)
-    plain = Engine(dflash.target, None, eos_token_ids=dflash.eos_token_ids, max_model_len=dflash.max_model_len,
-                   kv=dflash.kv, max_num_batched_tokens=dflash.scheduler.max_num_batched_tokens,
-                   prefill_chunk=dflash.scheduler.prefill_chunk)
+    plain = plain_twin(dflash)
     prompts = [encode_prompt(models.tokenizer, p.messages) for p in load_prompts("chat", num_prompts)]
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     try:
