@@ -65,7 +65,8 @@ def test_packed_draft_equals_unpacked_and_saves_the_same_checkpoint():
     """`DFlashDraft.pack` (what the drafter serves with): the same hidden states, context keys and checkpoint names,
     the projections' weights views of the packed ones; packing twice changes nothing."""
     from dflash_core.config import DraftConfig
-    from dflash_core.draft import DFlashDraft, DraftKVCache
+    from dflash_core.draft import DFlashDraft
+    from dflash_core.draft_cache import DraftKVCache
 
     torch.manual_seed(0)
     cfg = DraftConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

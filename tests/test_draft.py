@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from dflash_core.config import DraftConfig
-from dflash_core.draft import DFlashDraft, DraftKVCache
+from dflash_core.draft import DFlashDraft
+from dflash_core.draft_cache import DraftKVCache
 
 
 def test_incremental_context_equals_full_pass():

@@ -17,7 +17,8 @@ import torch
 
 from dflash_core.compile import StaticShapes
 from dflash_core.config import DraftConfig
-from dflash_core.draft import DFlashDraft, PagedDraftCache
+from dflash_core.draft import DFlashDraft
+from dflash_core.draft_cache import PagedDraftCache
 from dflash_core.runners.base import DraftRequest
 from dflash_core.runners.drafter import DFlashDrafter
 

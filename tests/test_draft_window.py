@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from dflash_core.config import DraftConfig, EngineConfig
-from dflash_core.draft import DFlashDraft, DraftKVCache
+from dflash_core.draft import DFlashDraft
+from dflash_core.draft_cache import DraftKVCache
 from dflash_core.engine import Engine
 from dflash_core.loading import load_models
 from dflash_core.runners.drafter import DFlashDrafter

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 
 from dflash_core.compile import StaticShapes, kv_bucket, timed_warm_up
-from dflash_core.draft import DFlashDraft, DraftKVCache, PagedBatch, PagedDraftCache, layer_region
+from dflash_core.draft import DFlashDraft, layer_region
+from dflash_core.draft_cache import DraftKVCache, PagedBatch, PagedDraftCache
 from dflash_core.kv.pool import DEFAULT_KV_BLOCK, blocks_for, slot_layout_blocks
 from dflash_core.runners.base import Drafter, DraftRequest, Proposal, TargetRunner
 from dflash_core.transfer import HostToDevice, to_host
