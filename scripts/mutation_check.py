@@ -127,7 +127,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     m("draft_context_written_a_row_late", "dflash_core/runners/drafter.py", "DFlashDrafter._write_context",
       "self._rows(state.blocks, start, start + n)", "self._rows(state.blocks, start + 1, start + n + 1)",
       "tests/test_draft_context.py"),
-    m("draft_window_key_positions_wrong", "dflash_core/draft.py", "PagedBatch.key_positions",
+    m("draft_window_key_positions_wrong", "dflash_core/draft_cache.py", "PagedBatch.key_positions",
       "return self.base[:, None] * self.cache.kv_block + pos[None]", "return pos.expand(batch, n)",
       "tests/test_draft_window.py"),
     m("reduced_vocab_ids_not_mapped", "dflash_core/draft.py", "DFlashDraft.target_ids",
