@@ -11,6 +11,7 @@ loaded in a background thread so that ``/health`` answers 503 meanwhile.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -49,6 +50,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.loop = asyncio.get_running_loop()  # --one-core: this loop's thread shares the worker's core
         if state.worker is not None:
             pass  # installed by the caller before the app started (a Ray replica warms up inside its __init__)
         elif models is not None:

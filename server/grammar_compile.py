@@ -33,6 +33,7 @@ from typing import Any
 
 from dflash_core.grammar import LLGuidanceBackend, StructuredOutput
 from dflash_core.grammar_checks import TokenizerSource, probe, short_error
+from server import affinity
 from server.api_error import APIError, retry_later
 from server.chat_request import ChatCompletionRequest
 from server.helper_process import HelperProcess, IdleHelpers, helper_streams, read_frame, write_frame
@@ -268,7 +269,7 @@ class GrammarChecks:
         if idle is not None:
             return idle
         if self._source is None:
-            self._source = await asyncio.to_thread(self.backend.tokenizer_source)
+            self._source = await asyncio.to_thread(affinity.unpinned(self.backend.tokenizer_source))
         return await _Helper.start(self._source)
 
     async def close(self) -> None:

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO, Generic, TypeVar
 
+from server import affinity
+
 log = logging.getLogger("dflash.server")
 
 HEADER_BYTES = 8  # the length prefix of each frame
@@ -39,7 +41,7 @@ class HelperProcess:
             sys.executable, "-m", module,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,  # read line by line into the log (_log_stderr), never left to fill
-            cwd=_PACKAGE_PARENT, start_new_session=True,
+            cwd=_PACKAGE_PARENT, start_new_session=True, env=affinity.child_env(),
         )
         return cls(proc, label)
 
@@ -181,6 +183,7 @@ def helper_streams() -> tuple[BinaryIO, BinaryIO]:
     replies, and the helper runs at a lower CPU priority than the server."""
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
+    affinity.restore_in_child()  # spawned from the server's event-loop thread: not its one core
     with contextlib.suppress(OSError):
         os.nice(HELPER_NICE)
     return sys.stdin.buffer, out

@@ -19,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 
 from dflash_core.grammar import StructuredOutput
 from dflash_core.sampling import SamplingParams
+from server import affinity
 from server.api_error import APIError, retry_later
 from server.chat_request import ChatCompletionRequest
 from server.completion_request import CompletionRequest
@@ -44,9 +45,9 @@ async def prepare(limiter: Limiter, size: int, big: bool, fn: Callable[..., Any]
     """Run tokenization ``fn(*args)`` in the thread pool; a prompt over TOKENIZE_LIMIT_CHARS, or from a ``big``
     body (one that went to a parse helper), takes a slot of ``limiter``."""
     if size <= TOKENIZE_LIMIT_CHARS and not big:
-        return await run_in_threadpool(fn, *args)
+        return await run_in_threadpool(affinity.unpinned(fn), *args)
     async with limiter:
-        return await run_in_threadpool(fn, *args)
+        return await run_in_threadpool(affinity.unpinned(fn), *args)
 
 
 def sampling_params(

@@ -53,6 +53,10 @@ class Settings(EngineConfig):
         "fast 503 instead of queueing in the kernel",
     )
     keep_alive_timeout: float = _setting(5.0, "seconds an idle keep-alive connection stays open between requests")
+    one_core: bool | None = _setting(
+        None, "run the event loop and the worker thread on one core after warm-up: the two take turns holding "
+        "Python's GIL, and a hand-off between cores costs a cross-core wake-up (default: on for a CPU device with "
+        "one torch thread, off elsewhere; Linux)")
     header_timeout: float = _setting(
         10.0,
         "seconds a client has to send a request's headers once connected (or after the previous "
@@ -249,10 +253,13 @@ def _is_optional(name: str) -> bool:
 def convert(name: str, raw: Any, source: str) -> Any:
     """Convert a YAML / environment value to the setting's type (ValueError naming the source)."""
     base = _base_type(name)
-    if raw is None or (isinstance(raw, str) and raw.strip().lower() in ("", "none", "null")):
+    empty = raw is None or (isinstance(raw, str) and raw.strip() == "")
+    nullish = isinstance(raw, str) and raw.strip().lower() in ("none", "null")
+    if empty or nullish:
         if _is_optional(name):
             return None
-        raise ValueError(f"{source}: '{name}' must not be empty")
+        if not (nullish and base is str):  # a text setting's "none" is a value (--generation-config none)
+            raise ValueError(f"{source}: '{name}' must not be empty")
     if base is str and isinstance(raw, (list, dict)):  # a YAML list or mapping for a JSON setting
         return json.dumps(raw)
     if base is bool:

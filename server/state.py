@@ -7,6 +7,7 @@ Its own module so that imports run one way: ``server.app`` imports the route mod
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from pathlib import Path
 from dflash_core.config import EngineConfig
 from dflash_core.detokenize import TokenStrings
 from dflash_core.loading import DEMO_DRAFT, DEMO_TARGET, LoadedModels, load_models
+from server import affinity
 from server.chat_setup import ChatSetup
 from server.generation_config import GenerationDefaults, load_generation_defaults
 from server.metrics import ServerMetrics
@@ -46,6 +48,7 @@ class ServerState:
     parser: ParsePool = field(default_factory=ParsePool)
     tokenize_limiter: Limiter = field(default_factory=tokenize_limiter)
     draining: bool = False  # set on SIGTERM (server.__main__): new requests get 503, /health 503
+    loop: asyncio.AbstractEventLoop | None = None  # the event loop serving the app (set by its lifespan)
     created: int = field(default_factory=now_ts)
 
     @property
@@ -90,6 +93,7 @@ class ServerState:
             max_waiting=s.max_waiting_requests,
             warm_up=models.engine.warm_up if warm_up else None,
             on_warm_up_error=lambda exc: self._failed(exc, on_error),
+            on_ready=self._one_core if self._wants_one_core(models) else None,
         )
         worker.start()
         self.models = models
@@ -108,6 +112,34 @@ class ServerState:
             models.dtype,
             models.engine.max_model_len,
         )
+
+    def _wants_one_core(self, models: LoadedModels) -> bool:
+        """``--one-core``, or its default: a CPU device with one torch thread; only where the event loop is known
+        (not in a Ray replica) and thread affinity can be set."""
+        import torch
+
+        wanted = self.settings.one_core
+        if wanted is None:
+            wanted = affinity.default_on(models.device, torch.get_num_threads())
+        if not wanted:
+            return False
+        why = "the event loop is not known here" if self.loop is None else (
+            None if affinity.supported() else "thread affinity needs Linux and more than one core")
+        if why is not None and self.settings.one_core:
+            log.warning("--one-core ignored: %s", why)
+        return why is None
+
+    def _one_core(self) -> None:
+        """On the worker thread, after warm-up: it, then the event loop's thread (which pins itself), on one
+        core."""
+        assert self.loop is not None
+        core = affinity.choose_core()
+        affinity.pin_current_thread(core)
+        try:
+            self.loop.call_soon_threadsafe(affinity.pin_current_thread, core)
+        except RuntimeError:  # the loop has closed: nothing to serve
+            return
+        log.info("event loop and worker thread on core %d (--one-core; --no-one-core leaves them free)", core)
 
     def load(self, on_error: Callable[[str], None] | None) -> None:
         """Load the models (background thread), then start serving."""

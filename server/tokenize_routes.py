@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from starlette.concurrency import run_in_threadpool
 
+from server import affinity
 from server.api_error import APIError
 from server.checks import check_auth, check_content_type, check_model, check_ready, read_body
 from server.parsing import is_cheap
@@ -70,5 +71,5 @@ def install_tokenize_routes(app: FastAPI, state: ServerState) -> None:
         if any(t < 0 or t >= vocab for t in req.tokens):
             raise APIError(400, f"tokens must be token ids in [0, {vocab})", param="tokens")
         tokenizer = state.prompts.tokenizer
-        text = await run_in_threadpool(tokenizer.decode, req.tokens)
+        text = await run_in_threadpool(affinity.unpinned(tokenizer.decode), req.tokens)
         return {"prompt": text}

@@ -3,7 +3,8 @@
 The event loop submits ``RequestHandle`` objects; the thread admits up to ``max_running`` of them into
 the engine (the rest wait in a bounded queue), calls ``Engine.step()``, detokenizes every output right
 away (stop strings are found here, so a stopped request is aborted before it wastes another step),
-and posts ``WorkerEvent`` objects to each request's asyncio queue with ``loop.call_soon_threadsafe``.
+and posts ``WorkerEvent`` objects to each request's asyncio queue with ``loop.call_soon_threadsafe``: a step's
+events together, so a step of many streams wakes the event loop once.
 No model call ever runs on the event loop.
 """
 
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from dflash_core.detokenize import OutputText
 from dflash_core.stats import SpecSummary
+from server.handoff import Delivery, post_all
 from server.serving_engine import ServingEngine
 
 if TYPE_CHECKING:
@@ -83,10 +85,7 @@ class RequestHandle:
 
     def post(self, event: WorkerEvent) -> None:
         """Hand an event to the event loop (thread-safe)."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
+        post_all([(self.loop, self.queue, event)])
 
 
 @dataclass(eq=False)
@@ -111,10 +110,12 @@ class Worker:
     def __init__(
         self, engine: ServingEngine, tokenizer: Any, metrics: ServerMetrics, *, max_running: int, max_waiting: int,
         warm_up: Callable[[], Any] | None = None, on_warm_up_error: Callable[[Exception], None] | None = None,
+        on_ready: Callable[[], None] | None = None,
     ) -> None:
         """``warm_up`` (``Engine.warm_up``) runs first on the worker's own thread, the one that runs the steps
         (recorded CUDA graphs are per thread); the worker is ``ready`` once it has run. If it raises, the thread
-        ends and ``on_warm_up_error`` gets the exception."""
+        ends and ``on_warm_up_error`` gets the exception. ``on_ready`` runs on the worker's thread after the
+        warm-up, before the first request (the server pins threads there); if it raises, the error is logged."""
         self._engine = engine
         self._tokenizer = tokenizer
         self._metrics = metrics
@@ -127,8 +128,9 @@ class Worker:
         self._active: dict[int, _Request] = {}  # engine request id -> request (until released)
         self._by_uid: dict[int, _Request] = {}
         self._closed: WorkerError | None = None  # set by fail_all: later requests fail at once with it
+        self._outbox: list[Delivery] | None = None  # a step's events, posted together
         self._thread = threading.Thread(target=self._run, name="dflash-worker", daemon=True)
-        self._warm_up, self._on_warm_up_error = warm_up, on_warm_up_error
+        self._warm_up, self._on_warm_up_error, self._on_ready = warm_up, on_warm_up_error, on_ready
         self._warm = threading.Event()  # set once warmed up: requests are served from then on
         if warm_up is None:
             self._warm.set()
@@ -151,6 +153,11 @@ class Worker:
     def capacity(self) -> int:
         """Requests the server holds at once (running + waiting)."""
         return self._capacity
+
+    @property
+    def thread_id(self) -> int | None:
+        """The worker thread's native id (None before it starts)."""
+        return self._thread.native_id
 
     def is_alive(self) -> bool:
         """Whether the worker thread runs."""
@@ -201,7 +208,12 @@ class Worker:
                 self._shutdown()
                 return
             log.info("warmed up on the worker thread in %.1f s", time.perf_counter() - t0)
-            self._warm.set()
+        if self._on_ready is not None:
+            try:
+                self._on_ready()
+            except Exception:
+                log.exception("the worker's start-up hook failed; serving on")
+        self._warm.set()
         while True:
             try:
                 if self._iteration():
@@ -293,6 +305,21 @@ class Worker:
             self._active[rid] = r
 
     def _step(self) -> None:
+        self._outbox = []
+        try:
+            self._step_outputs()
+        finally:
+            outbox, self._outbox = self._outbox, None
+            post_all(outbox)
+
+    def _post(self, h: RequestHandle, event: WorkerEvent) -> None:
+        """Post now, or with the rest of the step's events while a step's outputs are processed."""
+        if self._outbox is None:
+            h.post(event)
+        else:
+            self._outbox.append((h.loop, h.queue, event))
+
+    def _step_outputs(self) -> None:
         try:
             outputs = self._engine.step()
         except Exception as e:
@@ -357,7 +384,7 @@ class Worker:
             index=r.handle.index, text=text, num_tokens=len(kept), logprobs=logprobs, finish_reason=finish
         )
         if finish is None:
-            r.handle.post(event)
+            self._post(r.handle, event)
             return
         self._finish(r, finish, now, event=event)
         if step.stopped_early:  # cut by a stop string: stop generating now; released when the engine reports the abort
@@ -385,7 +412,7 @@ class Worker:
         ev.completion_tokens = r.num_tokens
         ev.spec, ev.cached_tokens = self._final_stats(r)
         self._release_capacity()
-        r.handle.post(ev)
+        self._post(r.handle, ev)
         self._observe_finished(r, reason, now, ev.spec)
 
     def _fail(self, r: _Request, error: WorkerError) -> None:
@@ -394,10 +421,9 @@ class Worker:
             return
         r.done = True
         self._release_capacity()
-        r.handle.post(
-            WorkerEvent(
-                index=r.handle.index, finish_reason="error", error=error, completion_tokens=r.num_tokens
-            )
+        self._post(
+            r.handle,
+            WorkerEvent(index=r.handle.index, finish_reason="error", error=error, completion_tokens=r.num_tokens),
         )
         self._observe_finished(r, "error", time.monotonic())
         if r.rid is None:

@@ -665,23 +665,30 @@ def test_profile_mode_tiny_pair(pair: tuple[Path, Path], tmp_path: Path, capsys:
     from dflash_core.bench.profile import CATEGORIES
 
     target, draft = pair
-    rc = bench.main(["profile", "--target", str(target), "--draft", str(draft), "--prompts", "1", "--max-tokens", "8",
-                     "--output-dir", str(tmp_path)])
-    out = capsys.readouterr().out
-    assert rc == 0, out
+    rc = bench.main(["profile", "--target", str(target), "--draft", str(draft), "--prompts", "2", "--max-tokens", "8",
+                     "--http-rounds", "1", "--output-dir", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert rc == 0, out + err[-2000:]
     assert "ms / step" in out and "py: engine rest" in out and "profiler inflates" in out
+    assert "Serving paths" in out and "worker hand-off (ms/token)" in out and "http + sse (ms/token)" in out
     data = json.loads((tmp_path / "profile.json").read_text())
     assert data["mode"] == "profile" and data["config"]["speculation"] == "fixed"
     for name in ("plain", "dflash"):
         e = data[name]
-        assert e["output_tokens"] == 8 and e["steps"] >= 1 and e["tokens_per_s"] > 0
+        assert e["output_tokens"] == 16 and e["steps"] >= 2 and e["tokens_per_s"] > 0
+        # the same requests in-process, through the worker thread and streamed from dflash-serve: every path's
+        # text equals the in-process one (the mode checks it), so every path made the same tokens
+        paths = e["paths"]
+        assert set(paths) == {"in-process", "worker", "http", "worker_handoff_ms_per_token", "http_sse_ms_per_token"}
+        assert all(paths[p]["tokens"] == 16 and paths[p]["tokens_per_s"] > 0 for p in ("in-process", "worker", "http"))
+        assert paths["in-process"]["share_of_in_process"] == 1.0 and paths["http"]["share_of_in_process"] > 0
         share = e["profiled"]["share"]
         assert set(share) == set(CATEGORIES)
         assert all(v >= -0.02 for v in share.values()), share
         assert sum(share.values()) == pytest.approx(1.0, abs=0.03)
         assert share["ops: matmul"] > 0 and share["py: target forward"] > 0
     assert data["plain"]["profiled"]["share"]["py: draft"] == 0 and data["dflash"]["profiled"]["share"]["py: draft"] > 0
-    assert data["plain"]["steps"] == 8 and data["dflash"]["tokens_per_step"] >= 1
+    assert data["plain"]["steps"] == 16 and data["dflash"]["tokens_per_step"] >= 1
 
 
 def test_serve_shared_prefix(server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

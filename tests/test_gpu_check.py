@@ -29,12 +29,14 @@ def test_dry_run_writes_the_json(tmp_path: Path) -> None:
     for model in ("tiny-qwen3", "tiny-qwen3.5"):
         for b in (1, 2):
             assert {(model, "plain", b, 1), (model, "verify", b, 4), (model, "draft", b, 16)} <= cells
-    assert all(r["ms"] > 0 and r["weights_bytes"] > 0 for r in result["rows"])
+    assert all(r["ms"] > 0 and r["host_ms"] > 0 and r["weights_bytes"] > 0 for r in result["rows"])
     assert set(result["anchors"]) == {"tiny-qwen3", "tiny-qwen3.5"}
     assert result["anchors"]["tiny-qwen3"]["plain_vs_bound"] > 0
+    assert result["anchors"]["tiny-qwen3"]["plain_host_ms"] > 0  # CPU: the call's wall time
     assert all(r["recompiles"] == 0 and r["syncs_per_call"] is None for r in result["rows"])  # eager, CPU
     assert (out / "gpu_check.png").stat().st_size > 0  # matplotlib: the test extra
     assert "wrote" in proc.stdout and "plain step b1 vs weights/4.8 TB/s" in proc.stdout
+    assert "host time of a plain step b1" in proc.stdout
     # the end-to-end part: the server's app, scripted DFlash against --no-speculative at concurrency 1 and 2
     e2e = result["e2e"]
     assert e2e["model"] == "tiny-qwen3" and set(e2e["runs"]) == {"no-speculative", "dflash-scripted"}

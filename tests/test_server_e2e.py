@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -787,3 +788,49 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(servers: Servers) -> None
     finish = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-1]]
     assert finish[-1] == "length"  # drained: the request ran to its end
     assert server.proc.wait(timeout=30) == 0
+
+
+def _threads_cores(pid: int) -> dict[int, set[int]]:
+    """Each thread's cores (threads that end meanwhile, such as idle pool threads, are left out)."""
+    out = {}
+    for t in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out[int(t.name)] = os.sched_getaffinity(int(t.name))
+        except (ProcessLookupError, FileNotFoundError):
+            continue
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        if int(text[text.rindex(")") + 2:].split()[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_event_loop_and_worker_share_one_core_and_helpers_keep_every_core(servers: Servers) -> None:
+    """`--one-core`, the default on a CPU device with one torch thread: the event loop's thread (the main thread)
+    is on the core the log names, with the worker thread beside it; a helper process started afterwards (a body
+    with many values is parsed in one) and the tokenization pool's threads run on every core the server had."""
+    from server import affinity
+
+    if not affinity.supported():
+        pytest.skip("thread affinity needs Linux and more than one core")
+    server = servers.ar
+    logged = [line for line in server.log.read_text().splitlines() if "event loop and worker thread on core" in line]
+    assert len(logged) == 1, server.log_tail()
+    core = int(logged[0].split("on core ")[1].split()[0])
+    many_values = {"model": SERVED_NAME, "messages": CHAT, "max_tokens": 1, "stop": ["x"] * 3000}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=many_values, timeout=60)  # tokenized in the pool
+    assert r.status_code in (200, 400), r.text
+    cores = _threads_cores(server.proc.pid)
+    assert cores[server.proc.pid] == {core}, cores  # the main thread runs the event loop
+    assert sum(c == {core} for c in cores.values()) == 2, cores  # and the worker thread; pool threads do not
+    helpers = _children(server.proc.pid)
+    assert helpers, "a body with 3000 values is parsed in a helper process"
+    assert all(os.sched_getaffinity(h) == os.sched_getaffinity(0) != {core} for h in helpers)

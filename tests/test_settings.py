@@ -111,3 +111,13 @@ def test_presets_parse_with_the_pool_settings() -> None:
         assert s.kv_block_size == 16 and s.enable_prefix_caching, preset.name
         if s.device == "cuda" and s.backend == "auto" and "gpt-oss" not in preset.name:
             assert s.max_running_requests == 256 and s.gpu_memory_utilization == 0.9, preset.name
+
+
+def test_a_text_setting_takes_none_as_its_value() -> None:
+    """`--generation-config none` (a documented value) is the text "none", from a flag, the environment or YAML;
+    an optional setting's "none" is still unset."""
+    assert resolve_settings(["--generation-config", "none"], env={}).generation_config == "none"
+    assert resolve_settings([], env={"DFLASH_GENERATION_CONFIG": "none"}).generation_config == "none"
+    assert resolve_settings(["--served-model-name", "none"], env={}).served_model_name is None
+    with pytest.raises(ValueError, match="must not be empty"):
+        resolve_settings(["--generation-config", ""], env={})

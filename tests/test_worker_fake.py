@@ -284,3 +284,37 @@ def test_the_speculative_summary_is_the_engines() -> None:
             assert last.completion_tokens == 7
 
     run(test)
+
+
+def test_a_step_of_several_streams_wakes_the_event_loop_once() -> None:
+    """Every event of one step reaches the event loop in one hand-off, in order per request."""
+    engine, gate = new_engine(), threading.Event()
+    keys = ("red", "green", "blue")
+    for key in keys:
+        engine.script(key, Script([gate, f"{key} one", " two", " three"]))
+
+    async def test() -> None:
+        loop = asyncio.get_running_loop()
+        handoffs: list[int] = []
+        original = loop.call_soon_threadsafe
+
+        def counted(callback: Any, *args: Any, **kwargs: Any) -> Any:
+            handoffs.append(len(args[0]) if args and isinstance(args[0], list) else 1)
+            return original(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        try:
+            async with serving(engine, max_running=3, max_waiting=1) as worker:
+                hs = [handle(k, index=i) for i, k in enumerate(keys)]
+                worker.submit(hs)
+                await until(lambda: len(engine.added) == 3, "all three admitted")
+                with engine._lock:  # between two steps: every request's next step is the same one
+                    gate.set()
+                texts = [text(await events(h)) for h in hs]
+        finally:
+            del loop.call_soon_threadsafe
+        assert texts == [f"{k} one two three" for k in keys]
+        # three steps of three events each: three hand-offs of three events (not nine of one)
+        assert sorted(n for n in handoffs if n > 1) == [3, 3, 3], handoffs
+
+    run(test)

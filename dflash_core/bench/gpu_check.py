@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 H200_BANDWIDTH = 4.8e12  # bytes/s
 PLAIN_BOUND_RATIO = 1.3  # compiled plain step at batch 1 vs weights / bandwidth
 VERIFY_RATIO = 1.15  # 16-wide verify vs plain step at batch 1
+HOST_MS_TARGET = 0.5  # the host's time of a plain step at batch 1 (everything that is not a device kernel)
 TEST_SUBSET = ["tests/test_native.py", "tests/test_compile.py", "tests/test_bf16.py", "tests/test_hybrid.py",
                "tests/test_engine.py", "tests/test_memory_budget.py"]
 
@@ -182,7 +184,22 @@ def _time_ms(fn: Any, device: torch.device, iters: int, warm: int = 3) -> dict[s
         for _ in range(iters):
             fn()
         ms = (time.perf_counter() - t0) * 1e3 / iters
-    return dict(ms=ms, recompiles=_graphs() - graphs, syncs_per_call=syncs)
+    recompiles = _graphs() - graphs
+    return dict(ms=ms, host_ms=_host_ms(fn, device, iters), recompiles=recompiles, syncs_per_call=syncs)
+
+
+def _host_ms(fn: Any, device: torch.device, iters: int) -> float:
+    """The host's time per call: the median wall time from a call's start, on an idle device, to its return
+    (Python, the runner's bookkeeping, input copies and kernel or graph launches; a call that synchronizes inside
+    waits for the device too, which `syncs_per_call` shows). On CPU it is the call's wall time."""
+    times = []
+    for _ in range(iters):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    _sync(device)
+    return statistics.median(times)
 
 
 def make_pair(name: str, plan: Plan) -> tuple[Any, Any]:
@@ -256,8 +273,8 @@ def anchors(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The physical anchors per model: compiled plain b1 vs weights / H200 bandwidth, verify-16 vs plain at b1."""
     out: dict[str, Any] = {}
     for name in sorted({r["model"] for r in rows}):
-        def ms(kind: str, width: int, name: str = name) -> float | None:
-            found = [r["ms"] for r in rows if r["model"] == name and r["kind"] == kind and r["batch"] == 1
+        def ms(kind: str, width: int, name: str = name, key: str = "ms") -> float | None:
+            found = [r[key] for r in rows if r["model"] == name and r["kind"] == kind and r["batch"] == 1
                      and r["width"] == width and r["mode"] == ("compiled" if any(
                          x["mode"] == "compiled" for x in rows) else "eager")]
             return found[0] if found else None
@@ -268,7 +285,8 @@ def anchors(rows: list[dict[str, Any]]) -> dict[str, Any]:
             bound_ms_h200=bound_ms, plain_ms=plain, verify16_ms=verify,
             plain_vs_bound=None if plain is None else plain / bound_ms, plain_vs_bound_target=PLAIN_BOUND_RATIO,
             verify16_vs_plain=None if plain is None or verify is None else verify / plain,
-            verify16_vs_plain_target=VERIFY_RATIO)
+            verify16_vs_plain_target=VERIFY_RATIO, plain_host_ms=ms("plain", 1, key="host_ms"),
+            plain_host_ms_target=HOST_MS_TARGET)
     return out
 
 
@@ -377,14 +395,17 @@ def run_gpu_check(out_dir: Path, dry_run: bool, tests: bool = True, iters: int |
 
 def format_gpu_check(result: dict[str, Any]) -> str:
     """A short terminal report: the steps, then the anchors."""
-    lines = [f"{'model':14} {'mode':9} {'kind':7} {'batch':>5} {'width':>5} {'ms':>9}"]
+    lines = [f"{'model':14} {'mode':9} {'kind':7} {'batch':>5} {'width':>5} {'ms':>9} {'host ms':>9}"]
     for r in result["rows"]:
-        lines.append(f"{r['model']:14} {r['mode']:9} {r['kind']:7} {r['batch']:5d} {r['width']:5d} {r['ms']:9.3f}")
+        lines.append(f"{r['model']:14} {r['mode']:9} {r['kind']:7} {r['batch']:5d} {r['width']:5d} {r['ms']:9.3f} "
+                     f"{r['host_ms']:9.3f}")
     for name, a in result["anchors"].items():
         pb = "n/a" if a["plain_vs_bound"] is None else f"{a['plain_vs_bound']:.2f}x"
         vp = "n/a" if a["verify16_vs_plain"] is None else f"{a['verify16_vs_plain']:.2f}x"
         lines.append(f"{name}: plain step b1 vs weights/4.8 TB/s: {pb} (target <= {PLAIN_BOUND_RATIO}x); "
-                     f"verify-16 vs plain b1: {vp} (target <= {VERIFY_RATIO}x)")
+                     f"verify-16 vs plain b1: {vp} (target <= {VERIFY_RATIO}x); host time of a plain step b1: "
+                     f"{'n/a' if a['plain_host_ms'] is None else format(a['plain_host_ms'], '.3f')} ms "
+                     f"(target <= {HOST_MS_TARGET} ms)")
     for r in (result.get("e2e") or {}).get("runs", {}).get("dflash-scripted", []):
         acc = "n/a" if r["tokens_per_row_step"] is None else f"{r['tokens_per_row_step']:.2f}"
         lines.append(f"e2e c={r['concurrency']}: DFlash (scripted, rate {result['e2e']['rate']}) {r['tok_s']:.1f} "

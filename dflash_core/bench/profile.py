@@ -6,7 +6,9 @@ token and per engine step, the reference. Then the first prompt once more under 
 target's forward, the drafter, sampling and the detokenizer labelled: the model's operators by category (self CPU
 times) and the Python time of each phase (its labelled time less the operators inside it); the rest of the step is
 the engine's own (scheduler, bookkeeping). The profiler inflates its figures; their shares of the step are the
-useful output.
+useful output. Last, the serving paths (dflash_core/bench/serving_paths.py): the same prompts in-process, through
+the server's worker thread and streamed over HTTP from a dflash-serve subprocess, in alternating rounds: what
+the worker hand-off and HTTP + SSE add per token, and the HTTP path's share of the in-process rate.
 """
 
 from __future__ import annotations
@@ -24,6 +26,15 @@ from dflash_core.bench.measure import environment
 from dflash_core.bench.offline import encode_prompt, plain_twin
 from dflash_core.bench.prefix import write_result
 from dflash_core.bench.prompts import load_prompts
+from dflash_core.bench.serving_paths import (
+    PATHS,
+    STAGES,
+    compare_paths,
+    one_core,
+    serve_args,
+    serve_command,
+    serving,
+)
 from dflash_core.cli_help import HelpFormatter
 
 PHASES = ("target", "draft", "sampling", "detokenizer")
@@ -160,8 +171,9 @@ def profile_engine(engine: Any, tokenizer: Any, prompts: list[list[int]], params
 
 
 def run_profile(*, target: str | None = None, draft: str | None = None, num_prompts: int = 8, max_tokens: int = 128,
-                threads: int = 1) -> dict[str, Any]:
-    """Plain decoding and fixed-width DFlash on one target, timed then profiled; the result without its header."""
+                threads: int = 1, http_rounds: int = 3, serve_extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Plain decoding and fixed-width DFlash on one target, timed then profiled, then (unless `http_rounds` is 0)
+    the same requests through the server's worker thread and over HTTP; the result without its header."""
     import torch
 
     from dflash_core.config import EngineConfig
@@ -170,6 +182,8 @@ def run_profile(*, target: str | None = None, draft: str | None = None, num_prom
 
     if target is not None and draft is None:
         raise BenchError("profile needs a draft (--draft) with the target")
+    if http_rounds:
+        serve_command()  # a missing dflash-serve is an error before the in-process part, not after it
     try:
         models = load_models(EngineConfig(target, draft, device="cpu", threads=threads, speculation="fixed",
                                           max_running_requests=8))
@@ -179,16 +193,25 @@ def run_profile(*, target: str | None = None, draft: str | None = None, num_prom
     if dflash.drafter is None:
         raise BenchError("profile needs a draft with block size >= 2")
     plain = plain_twin(dflash)
-    prompts = [encode_prompt(models.tokenizer, p.messages) for p in load_prompts("chat", num_prompts)]
+    chats = load_prompts("chat", num_prompts)
+    prompts = [encode_prompt(models.tokenizer, p.messages) for p in chats]
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     try:
         engines = {name: profile_engine(eng, models.tokenizer, prompts, params)
                    for name, eng in (("plain", plain), ("dflash", dflash))}
+        if http_rounds:
+            pairs = (("plain", plain), ("dflash", dflash))
+            args = [[*serve_args(target, draft, threads, speculative=n == "dflash"), *serve_extra] for n, _ in pairs]
+            with serving(*args) as servers:
+                for (name, eng), server in zip(pairs, servers):
+                    engines[name]["paths"] = compare_paths(eng, models.tokenizer, name, server, chats, params,
+                                                           http_rounds, one_core(threads, serve_extra))
     except ValueError as exc:  # the engine refused the prompt
         raise BenchError(f"the engine refused a request: {exc}") from None
     config = {"target": models.target_name, "draft": str(models.draft_name), "device": models.device,
               "dtype": models.dtype, "block_size": dflash.block_size, "speculation": "fixed",
-              "num_prompts": num_prompts, "max_tokens": max_tokens, "threads": torch.get_num_threads()}
+              "num_prompts": num_prompts, "max_tokens": max_tokens, "threads": torch.get_num_threads(),
+              "http_rounds": http_rounds, "serve_extra": list(serve_extra)}
     return {"environment": environment(), "config": config, **engines,
             "speedup": engines["plain"]["time_s"] / engines["dflash"]["time_s"]}
 
@@ -208,10 +231,29 @@ def format_profile(result: dict[str, Any]) -> str:
     rows.append(["total (profiled)", *(f"{sum(e['profiled'][m].values()):{f}}" for e in (p, d) for m, f in
                                        (("ms_per_step", ".3f"), ("share", ".1%")))])
     table = _table(["", "plain", "", f"dflash B={cfg['block_size']}", ""], rows)
-    return (f"dflash-bench profile: {cfg['target']} + {cfg['draft']} on {cfg['device']} ({cfg['threads']} threads), "
+    text = (f"dflash-bench profile: {cfg['target']} + {cfg['draft']} on {cfg['device']} ({cfg['threads']} threads), "
             f"{cfg['num_prompts']} prompts x {cfg['max_tokens']} tokens, one at a time, greedy, fixed width\n{table}\n"
             f"DFlash {result['speedup']:.2f}x plain (un-profiled wall time). The profiler inflates its figures: the "
             "un-profiled rows are the reference, the profiled shares show where a step goes.")
+    if "paths" in p:
+        text += "\n\n" + format_paths(p["paths"], d["paths"], cfg)
+    return text
+
+
+def format_paths(plain: dict[str, Any], dflash: dict[str, Any], cfg: dict[str, Any]) -> str:
+    """The serving table: each path's rate and share of the in-process rate, and the per-token cost of the
+    worker hand-off and of HTTP + SSE (medians of the rounds' differences of adjacent paths)."""
+    from dflash_core.bench.report import _table
+
+    rows = [[path, *(f"{e[path][k]:{f}}" for e in (plain, dflash) for k, f in
+                     (("tokens_per_s", ".1f"), ("ms_per_token", ".3f"), ("share_of_in_process", ".1%")))]
+            for path in PATHS]
+    for label, (key, _, _) in zip(("worker hand-off", "http + sse"), STAGES):
+        rows.append([f"{label} (ms/token)", *(x for e in (plain, dflash) for x in ("", f"{e[key]:+.3f}", ""))])
+    table = _table(["", "plain tok/s", "ms/token", "of in-process", "dflash tok/s", "ms/token", "of in-process"], rows)
+    return (f"Serving paths: the same prompts from chat messages to text, one at a time, {cfg['http_rounds']} "
+            "alternating rounds (medians; a path's share and what it adds: medians of its rounds' ratios and "
+            f"differences); http streams from a dflash-serve subprocess with the same settings\n{table}")
 
 
 def add_parser(sub: Any) -> None:
@@ -223,17 +265,25 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--prompts", type=int, default=8, help="shipped chat prompts, run one at a time")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--http-rounds", type=int, default=3,
+                   help="alternating rounds of the serving paths (in-process, worker thread, HTTP from a dflash-serve "
+                        "subprocess); 0 skips them")
+    p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for the dflash-serve subprocesses, repeated for several (e.g. "
+                        "--serve-arg=--no-one-core)")
     p.add_argument("--output-dir", type=Path, default=None, help="folder for profile.json (default: as offline)")
 
 
 def main(args: argparse.Namespace, argv: Any = None) -> int:
     """Run the mode: the table, and profile.json in the output folder."""
-    if min(args.prompts, args.max_tokens, args.threads) < 1:
-        print("dflash-bench: error: --prompts, --max-tokens and --threads must be >= 1", file=sys.stderr)
+    if min(args.prompts, args.max_tokens, args.threads) < 1 or args.http_rounds < 0:
+        print("dflash-bench: error: --prompts, --max-tokens and --threads must be >= 1, --http-rounds >= 0",
+              file=sys.stderr)
         return 2
     try:
         body = run_profile(target=args.target, draft=args.draft, num_prompts=args.prompts,
-                           max_tokens=args.max_tokens, threads=args.threads)
+                           max_tokens=args.max_tokens, threads=args.threads, http_rounds=args.http_rounds,
+                           serve_extra=tuple(args.serve_arg))
         path = write_result("profile", body, argv, args.output_dir)
     except BenchError as exc:
         print(f"dflash-bench: error: {exc}", file=sys.stderr)

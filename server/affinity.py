@@ -1,0 +1,121 @@
+"""The server's event loop and worker thread on one core (``--one-core``).
+
+The two threads take turns holding the GIL: each torch op the worker runs releases it and may let the loop in,
+and the worker then waits for it back until the loop's Python is done. On different cores every such hand-off is
+a cross-core wake-up (an inter-processor interrupt, expensive in a VM); on one core it is a plain context switch.
+With one torch thread on a CPU device the worker's ops are small and the loop's work interleaves with them
+rather than overlapping them: on the 2-core development VM one streamed plain-decoding request ran 7-18% faster
+with the two threads on one core, eight DFlash streams 6% faster (docs/benchmarks.md, "The serving paths").
+
+Pinned after warm-up: torch's intra-op threads, created earlier, keep the whole set. Threads and processes that
+the pinned threads start later would inherit the single core: pool threads get the original set back when they
+first run a call wrapped by ``unpinned``, helper processes from ``AFFINITY_ENV`` (``restore_in_child``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+log = logging.getLogger("dflash.server")
+
+AFFINITY_ENV = "DFLASH_PARENT_AFFINITY"  # the server's cores before pinning, for its helper processes
+_original: set[int] | None = None  # the process's cores before pinning (None: nothing pinned)
+_released = threading.local()  # a pool thread that is back on the original cores
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def supported() -> bool:
+    """Thread affinity can be set here (Linux), and the process may use more than one core."""
+    return hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) > 1
+
+
+def default_on(device: str, torch_threads: int) -> bool:
+    """On by default for a CPU device with one torch thread (the case measured); elsewhere opt-in."""
+    return device == "cpu" and torch_threads == 1
+
+
+def current_core() -> int | None:
+    """The core the calling thread last ran on (Linux's /proc), or None."""
+    try:
+        stat = Path("/proc/thread-self/stat").read_text()
+        return int(stat[stat.rindex(")") + 2:].split()[36])  # field 39, "processor"
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def choose_core() -> int:
+    """The core the calling thread runs on (so that several servers on one machine spread out as the scheduler
+    placed them), else the lowest of the process's set."""
+    cores = os.sched_getaffinity(0)
+    here = current_core()
+    return here if here in cores else min(cores)
+
+
+def pin_current_thread(core: int) -> None:
+    """The calling thread onto `core`; the process's set before is remembered first (for `child_env`)."""
+    _set_original(_original if _original is not None else os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {core})
+
+
+@contextlib.contextmanager
+def sharing_one_core(thread_ids: list[int]) -> Iterator[int]:
+    """The threads (native ids of this process) on one core for the block, then back on the cores they had
+    (`dflash-bench profile`'s worker path, which measures what the server does)."""
+    before = {tid: os.sched_getaffinity(tid) for tid in thread_ids}
+    saved = _original
+    core = choose_core()
+    _set_original(saved if saved is not None else os.sched_getaffinity(0))
+    try:
+        for tid in thread_ids:
+            os.sched_setaffinity(tid, {core})
+        yield core
+    finally:
+        for tid, cores in before.items():
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, cores)
+        _set_original(saved)
+
+
+def _set_original(cores: set[int] | None) -> None:
+    global _original
+    _original = cores
+
+
+def unpinned(fn: F) -> F:
+    """`fn`, run by a pool thread on the server's original cores: the pool's threads are started by the pinned
+    event-loop thread and would otherwise share its core with the worker."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if _original is not None and not getattr(_released, "done", False):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, _original)
+            _released.done = True
+        return fn(*args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
+
+def child_env() -> dict[str, str] | None:
+    """The environment of a helper process: this one's, with the cores to go back to when threads are pinned
+    (None: nothing to change)."""
+    if _original is None:
+        return None
+    return {**os.environ, AFFINITY_ENV: ",".join(str(c) for c in sorted(_original))}
+
+
+def restore_in_child() -> None:
+    """In a helper process, at its start: the server's original cores, when it pinned its threads."""
+    cores = os.environ.get(AFFINITY_ENV)
+    if cores and hasattr(os, "sched_setaffinity"):
+        try:
+            os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
+        except (OSError, ValueError) as exc:
+            log.warning("could not restore the CPU affinity %s: %s", cores, exc)
