@@ -9,23 +9,19 @@ with the two threads on one core, eight DFlash streams 6% faster (docs/benchmark
 
 Pinned after warm-up: torch's intra-op threads, created earlier, keep the whole set. Threads and processes that
 the pinned threads start later would inherit the single core: pool threads get the original set back when they
-first run a call wrapped by ``unpinned``, helper processes from ``AFFINITY_ENV`` (``restore_in_child``).
+first run a call wrapped by ``unpinned``, and helper processes are started from inside ``spawning``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-log = logging.getLogger("dflash.server")
-
-AFFINITY_ENV = "DFLASH_PARENT_AFFINITY"  # the server's cores before pinning, for its helper processes
 _original: set[int] | None = None  # the process's cores before pinning (None: nothing pinned)
 _released = threading.local()  # a pool thread that is back on the original cores
 F = TypeVar("F", bound=Callable[..., Any])
@@ -59,7 +55,8 @@ def choose_core() -> int:
 
 
 def pin_current_thread(core: int) -> None:
-    """The calling thread onto `core`; the process's set before is remembered first (for `child_env`)."""
+    """The calling thread onto `core`; the process's set before is remembered first (for `unpinned` and
+    `spawning`)."""
     _set_original(_original if _original is not None else os.sched_getaffinity(0))
     os.sched_setaffinity(0, {core})
 
@@ -103,19 +100,17 @@ def unpinned(fn: F) -> F:
     return run  # type: ignore[return-value]
 
 
-def child_env() -> dict[str, str] | None:
-    """The environment of a helper process: this one's, with the cores to go back to when threads are pinned
-    (None: nothing to change)."""
+@contextlib.contextmanager
+def spawning() -> Iterator[None]:
+    """The calling (pinned) thread back on the original cores while it starts a process, which inherits the
+    mask at its fork: a helper started on the worker's core would compete with it for that core from its first
+    instruction (measured: a parse helper started beside a running stream took over 30 s to start)."""
     if _original is None:
-        return None
-    return {**os.environ, AFFINITY_ENV: ",".join(str(c) for c in sorted(_original))}
-
-
-def restore_in_child() -> None:
-    """In a helper process, at its start: the server's original cores, when it pinned its threads."""
-    cores = os.environ.get(AFFINITY_ENV)
-    if cores and hasattr(os, "sched_setaffinity"):
-        try:
-            os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
-        except (OSError, ValueError) as exc:
-            log.warning("could not restore the CPU affinity %s: %s", cores, exc)
+        yield
+        return
+    pinned = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, _original)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, pinned)

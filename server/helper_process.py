@@ -1,5 +1,5 @@
-"""A helper process of the server (``python -m <module>``, through a launcher that first gives it the server's
-original cores: ``server/affinity.py``): what the body parsers (``server/parsing.py``) and the
+"""A helper process of the server (``python -m <module>``, started on every core the server has, whatever
+``--one-core`` pinned: ``server/affinity.py``): what the body parsers (``server/parsing.py``) and the
 grammar checkers (``server/grammar_compile.py``) share. Messages are length-prefixed frames on the helper's
 stdin / stdout; its stderr goes to the log line by line; it runs in its own session (a Ctrl+C in the server's
 terminal is the server's to handle, not the helper's mid-work) from the package's parent folder, so that
@@ -25,10 +25,6 @@ HEADER_BYTES = 8  # the length prefix of each frame
 HELPER_NICE = 10  # a helper yields the CPU to the server (a hostile body must not slow everyone's tokens)
 STDERR_LINE_CHARS = 2000
 _PACKAGE_PARENT = Path(__file__).resolve().parent.parent
-# `python -m MODULE`, first back on the server's original cores (`--one-core` pins the thread that starts helpers;
-# restored before the module's imports, which would otherwise run on the worker's core)
-_LAUNCH = ("import sys; from server.affinity import restore_in_child; restore_in_child(); import runpy; "
-           "module = sys.argv.pop(1); runpy.run_module(module, run_name='__main__', alter_sys=True)")
 
 
 class HelperProcess:
@@ -42,12 +38,13 @@ class HelperProcess:
 
     @classmethod
     async def spawn(cls, module: str, label: str) -> HelperProcess:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", _LAUNCH, module,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,  # read line by line into the log (_log_stderr), never left to fill
-            cwd=_PACKAGE_PARENT, start_new_session=True, env=affinity.child_env(),
-        )
+        with affinity.spawning():  # not on the core `--one-core` gave this thread and the worker
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", module,
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,  # read line by line into the log (_log_stderr), never left to fill
+                cwd=_PACKAGE_PARENT, start_new_session=True,
+            )
         return cls(proc, label)
 
     @property

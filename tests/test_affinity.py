@@ -1,5 +1,5 @@
-"""`--one-core`'s pinning (server/affinity.py): threads onto one core and back, and helper processes that get
-the server's original cores back."""
+"""`--one-core`'s pinning (server/affinity.py): threads onto one core and back, and the threads and processes
+that pinned threads start, which get the server's original cores back."""
 
 from __future__ import annotations
 
@@ -33,25 +33,22 @@ def test_sharing_one_core_pins_the_threads_and_gives_their_cores_back() -> None:
         with affinity.sharing_one_core([threading.get_native_id(), other[0]]) as core:
             assert core in before
             assert os.sched_getaffinity(0) == os.sched_getaffinity(other[0]) == {core}
-            env = affinity.child_env()
-            assert env is not None and env[affinity.AFFINITY_ENV] == ",".join(map(str, sorted(before)))
         assert os.sched_getaffinity(0) == os.sched_getaffinity(other[0]) == before
-        assert affinity.child_env() is None  # nothing pinned any more
     finally:
         done.set()
         t.join()
 
 
-def test_a_helper_started_from_a_pinned_thread_gets_the_original_cores_back() -> None:
+def test_a_process_started_while_spawning_runs_on_every_core_and_the_thread_stays_pinned() -> None:
     before = os.sched_getaffinity(0)
-    code = "import os; from server import affinity; affinity.restore_in_child(); print(sorted(os.sched_getaffinity(0)))"
+    show = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
     with affinity.sharing_one_core([threading.get_native_id()]) as core:
-        pinned = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
-                                capture_output=True, text=True, check=True)
-        restored = subprocess.run([sys.executable, "-c", code], env=affinity.child_env(), capture_output=True,
-                                  text=True, check=True)
+        pinned = subprocess.run(show, capture_output=True, text=True, check=True)
+        with affinity.spawning():
+            free = subprocess.run(show, capture_output=True, text=True, check=True)
+        assert os.sched_getaffinity(0) == {core}
     assert pinned.stdout.strip() == str([core])  # what a child inherits from a pinned thread
-    assert restored.stdout.strip() == str(sorted(before))
+    assert free.stdout.strip() == str(sorted(before))
 
 
 def test_a_pool_thread_started_by_a_pinned_thread_gets_the_original_cores_back_for_unpinned_calls() -> None:
