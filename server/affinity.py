@@ -57,7 +57,7 @@ def choose_core() -> int:
 def pin_current_thread(core: int) -> None:
     """The calling thread onto `core`; the process's set before is remembered first (for `unpinned` and
     `spawning`)."""
-    _set_original(_original if _original is not None else os.sched_getaffinity(0))
+    _remember_original()
     os.sched_setaffinity(0, {core})
 
 
@@ -68,7 +68,7 @@ def sharing_one_core(thread_ids: list[int]) -> Iterator[int]:
     before = {tid: os.sched_getaffinity(tid) for tid in thread_ids}
     saved = _original
     core = choose_core()
-    _set_original(saved if saved is not None else os.sched_getaffinity(0))
+    _remember_original()
     try:
         for tid in thread_ids:
             os.sched_setaffinity(tid, {core})
@@ -83,6 +83,12 @@ def sharing_one_core(thread_ids: list[int]) -> Iterator[int]:
 def _set_original(cores: set[int] | None) -> None:
     global _original
     _original = cores
+
+
+def _remember_original() -> None:
+    """The process's cores before anything is pinned (kept from the first pin on)."""
+    if _original is None:
+        _set_original(os.sched_getaffinity(0))
 
 
 def unpinned(fn: F) -> F:

@@ -105,13 +105,11 @@ class _Server:
     """uvicorn serving `app` in a thread of this process."""
 
     def __init__(self, app: Any) -> None:
-        import socket
-
         import uvicorn
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        from dflash_core.bench.serving_paths import free_port
+
+        self.port = free_port()
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_config=None,
                                                    log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, name="gpu-check-uvicorn", daemon=True)

@@ -14,6 +14,7 @@ the worker hand-off and HTTP + SSE add per token, and the HTTP path's share of t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -31,6 +32,7 @@ from dflash_core.bench.serving_paths import (
     STAGES,
     compare_paths,
     one_core,
+    run_alone,
     serve_args,
     serve_command,
     serving,
@@ -88,31 +90,12 @@ def _phase_labels(engine: Any) -> Iterator[None]:
 
 
 def _run(engine: Any, tokenizer: Any, prompt: list[int], params: Any, label: bool = False) -> tuple[int, int]:
-    """One request alone, stepped to the end with its text detokenized as the server does; (tokens, steps)."""
+    """One request alone (`run_alone`), its detokenizer labelled when `label`; (tokens, steps)."""
     import torch
 
-    from dflash_core.detokenize import OutputText
-
-    rid = engine.add_request(prompt, params)
-    text = OutputText(tokenizer, prompt)
-    tokens = steps = 0
-    while engine.has_unfinished():
-        outs = engine.step()
-        steps += 1
-        with torch.profiler.record_function(_LABEL + "detokenizer") if label else _nothing():
-            for out in outs:
-                if out.error:
-                    raise BenchError(f"the engine failed: {out.error}", code=1)
-                if out.request_id == rid:
-                    text.step(out)
-                    tokens += len(out.new_token_ids)
-    engine.release(rid)
+    scope = (lambda: torch.profiler.record_function(_LABEL + "detokenizer")) if label else contextlib.nullcontext
+    _, tokens, steps = run_alone(engine, tokenizer, prompt, params, scope)
     return tokens, steps
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def breakdown(prof: Any, total_us: float) -> dict[str, float]:
@@ -193,14 +176,13 @@ def run_profile(*, target: str | None = None, draft: str | None = None, num_prom
     if dflash.drafter is None:
         raise BenchError("profile needs a draft with block size >= 2")
     plain = plain_twin(dflash)
+    pairs = (("plain", plain), ("dflash", dflash))
     chats = load_prompts("chat", num_prompts)
     prompts = [encode_prompt(models.tokenizer, p.messages) for p in chats]
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     try:
-        engines = {name: profile_engine(eng, models.tokenizer, prompts, params)
-                   for name, eng in (("plain", plain), ("dflash", dflash))}
+        engines = {name: profile_engine(eng, models.tokenizer, prompts, params) for name, eng in pairs}
         if http_rounds:
-            pairs = (("plain", plain), ("dflash", dflash))
             args = [[*serve_args(target, draft, threads, speculative=n == "dflash"), *serve_extra] for n, _ in pairs]
             with serving(*args) as servers:
                 for (name, eng), server in zip(pairs, servers):

@@ -31,7 +31,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,26 +59,39 @@ class PathRun:
         return self.tokens / self.seconds
 
 
-def run_in_process(engine: Any, tokenizer: Any, prompts: Sequence[Prompt], params: Any) -> PathRun:
-    """Each prompt alone on `engine` in this thread: template, steps, detokenizer."""
+def run_alone(engine: Any, tokenizer: Any, ids: list[int], params: Any,
+              detokenizer_scope: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+              ) -> tuple[str, int, int]:
+    """One request alone on `engine`, stepped to the end with its text detokenized as the server does (each step's
+    detokenizing inside `detokenizer_scope()`): (text, tokens, steps)."""
     from dflash_core.detokenize import OutputText
 
-    tokens, texts = 0, []
-    t0 = time.perf_counter()
-    for p in prompts:
-        ids = encode_prompt(tokenizer, p.messages)
-        rid = engine.add_request(ids, params)
-        text, pieces = OutputText(tokenizer, ids), []
-        while engine.has_unfinished():
-            for out in engine.step():
+    rid = engine.add_request(ids, params)
+    text, pieces = OutputText(tokenizer, ids), []
+    tokens = steps = 0
+    while engine.has_unfinished():
+        outs = engine.step()
+        steps += 1
+        with detokenizer_scope():
+            for out in outs:
                 if out.error:
                     raise BenchError(f"the engine failed: {out.error}", code=1)
                 if out.request_id == rid:
                     step = text.step(out)
                     pieces.append(step.text)
                     tokens += len(step.token_ids)
-        engine.release(rid)
-        texts.append("".join(pieces))
+    engine.release(rid)
+    return "".join(pieces), tokens, steps
+
+
+def run_in_process(engine: Any, tokenizer: Any, prompts: Sequence[Prompt], params: Any) -> PathRun:
+    """Each prompt alone on `engine` in this thread: template, steps, detokenizer."""
+    tokens, texts = 0, []
+    t0 = time.perf_counter()
+    for p in prompts:
+        text, n, _ = run_alone(engine, tokenizer, encode_prompt(tokenizer, p.messages), params)
+        tokens += n
+        texts.append(text)
     return PathRun(tokens, time.perf_counter() - t0, texts)
 
 
@@ -134,7 +147,7 @@ class WorkerPath:
         self.worker.stop()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -153,7 +166,7 @@ class ServerProcess:
     """A `dflash-serve` subprocess on a free 127.0.0.1 port; its log in a temporary file."""
 
     def __init__(self, args: Sequence[str]) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [*serve_command(), *args, "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"]
         self.cmd = cmd
