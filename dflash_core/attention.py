@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ATTENTION_ENV", "KERNELS", "PagedAttention", "attention_kernel", "kv_rows", "paged_attention", "prepare",
-           "write_kv"]
+__all__ = ["ATTENTION_ENV", "KERNELS", "PagedAttention", "attention_kernel", "explicit_attention", "kv_rows",
+           "paged_attention", "prepare", "write_kv", "EXPLICIT_SCORES_BYTES"]
 
 ATTENTION_ENV = "DFLASH_ATTENTION"  # "flex" or "sdpa": the compiled static step's kernel, on any device
 KERNELS = ("flex", "sdpa")
@@ -78,7 +78,7 @@ class PagedAttention:
     """
 
     def __init__(self, block_table: torch.Tensor, q_pos: torch.Tensor, kv_block: int, num_rows: int,
-                 kv_len: int | None = None) -> None:
+                 kv_len: int | None = None, window: int | None = None) -> None:
         self.kv_block = kv_block
         self.flex_mask: Any = None
         b, m = block_table.shape
@@ -87,17 +87,34 @@ class PagedAttention:
         if kv_len is not None:
             index = index[:, :kv_len]
         self.index: torch.Tensor | None = index
+        self.q_pos = q_pos
         self.mask: torch.Tensor | None = None
-        if kv_len is None or q_pos.shape != (1, 1):
-            key_pos = torch.arange(index.shape[1], device=q_pos.device)
-            self.mask = (key_pos[None, None, None, :] <= q_pos[:, None, :, None])  # [b, 1, n, L]
+        if kv_len is None or q_pos.shape != (1, 1) or window is not None:
+            self.mask = self._mask(window)
+
+    def _mask(self, window: int | None) -> torch.Tensor:
+        """[b, 1, n, L]: query (r, i) sees key position j when j <= q_pos[r, i] (and, with a sliding `window`,
+        q_pos[r, i] - j < window, transformers' sliding-window rule)."""
+        assert self.index is not None
+        key_pos = torch.arange(self.index.shape[1], device=self.q_pos.device)[None, None, None, :]
+        q = self.q_pos[:, None, :, None]
+        mask = key_pos <= q
+        return mask if window is None else mask & (key_pos > q - window)
+
+    def windowed(self, window: int) -> PagedAttention:
+        """The same queries and keys with a sliding window of `window` positions (its own mask, the gather index
+        shared)."""
+        self_w = type(self).__new__(type(self))
+        self_w.kv_block, self_w.flex_mask, self_w.index, self_w.q_pos = self.kv_block, None, self.index, self.q_pos
+        self_w.mask = self_w._mask(window)
+        return self_w
 
     @classmethod
     def flex(cls, mask: Any, kv_block: int) -> PagedAttention:
         """FlexAttention over the cache in place, through `mask` (a `BlockMask` from `paged_block_mask`, built
         outside the compiled function that calls this: built inside it, inductor's flex has given wrong results)."""
         self = cls.__new__(cls)
-        self.kv_block, self.flex_mask, self.index, self.mask = kv_block, mask, None, None
+        self.kv_block, self.flex_mask, self.index, self.mask, self.q_pos = kv_block, mask, None, None, None
         return self
 
     @classmethod
@@ -105,12 +122,15 @@ class PagedAttention:
         """The gather + SDPA kernel from another instance's `index` and `mask` (a compiled layer region receives
         them as inputs: the mask is built once per forward, not once per layer)."""
         self = cls.__new__(cls)
-        self.kv_block, self.flex_mask, self.index, self.mask = kv_block, None, index, mask
+        self.kv_block, self.flex_mask, self.index, self.mask, self.q_pos = kv_block, None, index, mask, None
         return self
 
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [b, heads, n, d] over one layer's k_cache / v_cache [num_blocks * kv_block, kv_heads, d] ->
-        [b, heads, n, d] (GQA when heads != kv_heads)."""
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                 softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [b, heads, n, d] over one layer's k_cache [num_blocks * kv_block, kv_heads, d] and v_cache
+        [.., kv_heads, dv] -> [b, heads, n, dv] (GQA when heads != kv_heads). `softcap`: scores pass through
+        softcap * tanh(score / softcap) (Gemma 2's); `sinks` [heads]: one more logit per head in the softmax whose
+        value is dropped (gpt-oss's attention sinks). Either runs the attention as explicit matmuls."""
         if self.flex_mask is not None:
             from dflash_core.flex_attention import flex_attention_over_cache
 
@@ -122,8 +142,47 @@ class PagedAttention:
         flat = self.index.reshape(-1)
         keys = k_cache.index_select(0, flat).view(b, length, *k_cache.shape[1:]).transpose(1, 2)
         values = v_cache.index_select(0, flat).view(b, length, *v_cache.shape[1:]).transpose(1, 2)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, scale=scale,
-                                              enable_gqa=q.shape[1] != keys.shape[1])
+        if softcap is None and sinks is None:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.mask, scale=scale,
+                                                  enable_gqa=q.shape[1] != keys.shape[1])
+        return explicit_attention(q, keys, values, self.mask, scale, softcap, sinks)
+
+
+# the float32 scores one chunk of `explicit_attention` holds at once (its rows are chunked to stay under it)
+EXPLICIT_SCORES_BYTES = 256 << 20
+
+
+def explicit_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                       scale: float, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention as matmuls, for what SDPA has no argument for: q [b, heads, n, d], keys / values
+    [b, kv_heads, L, d | dv], mask [b, 1, n, L] (True: visible) -> [b, heads, n, dv]. The query heads of one key
+    head multiply its keys together (no copy of the keys per query head), and the rows run in chunks whose scores
+    stay under `EXPLICIT_SCORES_BYTES`."""
+    b, heads, n, _ = q.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    groups = heads // kv_heads
+    per_row = heads * n * (length + 1) * 4
+    chunk = max(1, EXPLICIT_SCORES_BYTES // per_row)
+    out = []
+    for lo in range(0, b, chunk):
+        hi = min(b, lo + chunk)
+        qc = q[lo:hi].reshape(hi - lo, kv_heads, groups * n, q.shape[3])  # heads h = k * groups + g
+        scores = torch.matmul(qc, keys[lo:hi].transpose(2, 3)).float() * scale  # [c, kv_heads, groups * n, L]
+        scores = scores.view(hi - lo, heads, n, length)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        if mask is not None:
+            scores = scores.masked_fill(~mask[lo:hi], float("-inf"))
+        if sinks is not None:
+            sink = sinks.float().reshape(1, -1, 1, 1).expand(hi - lo, heads, n, 1)
+            scores = torch.cat([scores, sink], dim=-1)
+        # every query sees at least its own key, so no row is all -inf
+        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            probs = probs[..., :-1]  # the sink's share is dropped
+        probs = probs.to(values.dtype).reshape(hi - lo, kv_heads, groups * n, length)
+        out.append(torch.matmul(probs, values[lo:hi]).view(hi - lo, heads, n, values.shape[3]))
+    return torch.cat(out) if len(out) > 1 else out[0]
 
 
 def paged_attention(

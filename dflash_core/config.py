@@ -190,7 +190,7 @@ class DraftConfig:
         (Path(folder) / "config.json").write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
 
-BACKENDS = ("auto", "native", "hf")
+BACKENDS = ("auto", "native", "generic", "hf")
 COMPILE_SCOPES = ("layer", "step")  # what one compiled graph holds (`dflash_core.compile.default_scope`)
 
 
@@ -226,9 +226,11 @@ class EngineConfig:
     device: str = _setting("auto", "auto, cpu, cuda, cuda:N")
     dtype: str = _setting("auto", "auto, float32, bfloat16, float16")
     backend: str = _setting(
-        "auto", "target forward: native (batched, paged KV pool; Qwen3, Llama, Qwen2, Qwen3-MoE and the hybrids "
-        "Qwen3.5, Qwen3.5-MoE, Qwen3-Next), hf (transformers, one request per forward; e.g. gpt-oss), auto (native "
-        "where it runs the target)")
+        "auto", "target forward: native (our own batched forward over the paged KV pool; Qwen3, Llama, Qwen2, "
+        "Qwen3-MoE and the hybrids Qwen3.5, Qwen3.5-MoE, Qwen3-Next), generic (any attention-only transformers "
+        "decoder batched over the paged KV pool through transformers' attention interface; e.g. Gemma 4, gpt-oss, "
+        "DeepSeek-V3 / Kimi, GLM-4.5 / GLM-5, MiniMax-M2, Mistral, Phi-3), hf (transformers, one request per "
+        "forward), auto (native where it runs the target, else generic, else hf)")
     block_size: int | None = _setting(
         None, "DFlash draft block size: tokens per draft-and-verify block (the KV cache's block is --kv-block-size) "
         "(default: the draft's)")
@@ -297,7 +299,7 @@ class EngineConfig:
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
         if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be auto, native or hf, got {self.backend!r}")
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:

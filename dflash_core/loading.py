@@ -18,7 +18,7 @@ from dflash_core.compile import (
     probe_cpu_compiler,
     use_compile_cache,
 )
-from dflash_core.config import DraftConfig, EngineConfig
+from dflash_core.config import BACKENDS, DraftConfig, EngineConfig
 from dflash_core.draft import DFlashDraft
 from dflash_core.draft_formats import read_draft_config
 from dflash_core.engine import Engine
@@ -41,6 +41,8 @@ from dflash_core.memory import (
 )
 from dflash_core.runners.base import TargetRunner
 from dflash_core.runners.drafter import DFlashDrafter
+from dflash_core.runners.dsa import DSALayout
+from dflash_core.runners.generic import ATTENTION_LAYER_TYPES, GenericTarget, KVLayout, layout_of
 from dflash_core.runners.hf import HFTarget
 from dflash_core.runners.hybrid import HYBRID_MODEL_TYPES, HybridTarget, hybrid_unsupported
 from dflash_core.runners.native import NativeTarget, supports
@@ -132,10 +134,15 @@ def check_pair(cfg: DraftConfig, target: TargetRunner) -> None:
 
 
 def load_target(path: str | Path, device: torch.device, dtype: torch.dtype) -> Any:
-    """A transformers causal LM in eval mode on `device`."""
-    from transformers import AutoModelForCausalLM
+    """A transformers causal LM in eval mode on `device`; a checkpoint whose config transformers maps only to an
+    image-text-to-text model (Kimi K2.5) loads as that, and serves its text decoder."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    model = AutoModelForCausalLM.from_pretrained(str(local_folder(path)), dtype=dtype)
+    folder = str(local_folder(path))
+    config = AutoConfig.from_pretrained(folder)
+    auto = AutoModelForCausalLM if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else AutoModelForImageTextToText
+    model = auto.from_pretrained(folder, dtype=dtype)
     return model.to(device).eval()
 
 
@@ -178,13 +185,14 @@ def load_models(config: EngineConfig, warm_up: bool = True) -> LoadedModels:
     cfg = read_draft_config(draft_path) if draft_path is not None else None
     layer_ids = cfg.target_layer_ids if cfg is not None else None
     block = (block_size or cfg.block_size) if cfg is not None else 1
-    budget = memory_budget(config, model, cfg, dev, dt, block)
+    choice = choose_backend(model, config.backend)
+    budget = memory_budget(config, model, cfg, dev, dt, block, choice)
     for note in budget.notes:
         log.info("memory plan: %s", note)
     log.info("%s", budget.summary())
     slots = budget.slots  # the running cap, lowered for a hybrid whose recurrent states would not fit
     static = static_shapes(config, dev, slots)
-    target_model = make_target(model, layer_ids, config.backend, slots, budget.max_model_len, block, static,
+    target_model = make_target(model, layer_ids, choice, slots, budget.max_model_len, block, static,
                                num_blocks=budget.num_blocks, kv_block=config.kv_block_size)
     drafter = None
     if cfg is not None:
@@ -232,35 +240,92 @@ def static_shapes(config: EngineConfig, device: torch.device, slots: int | None 
 
 def pool_costs(
     model: Any, draft_cfg: DraftConfig | None, dtype: torch.dtype, block: int, kv_block: int,
-    prefix_caching: bool = True,
+    prefix_caching: bool = True, layout: KVLayout | DSALayout | None = None,
 ) -> PoolCosts:
     """Bytes per position of the loaded pair's KV pool, as the runners allocate it (target attention layers' K and
     V, the draft's layers' K and V in the same block ids), a hybrid's recurrent state per running request (with
     `prefix_caching`, its checkpoint copies and the checkpoint store too), and the block + 1 positions a request may
-    reach beyond max_model_len (the runners' max_len)."""
+    reach beyond max_model_len (the runners' max_len). `layout`: the generic runner's probed caches (their own
+    head counts and dims, shared caches once), which its target rows are counted from."""
     nbytes = torch.tensor([], dtype=dtype).element_size()
     shape = normalize_shape(model.config.to_dict())
     draft_row = 0
     if draft_cfg is not None:
         draft_row = 2 * draft_cfg.num_hidden_layers * draft_cfg.num_key_value_heads * int(draft_cfg.head_dim) * nbytes
-    return PoolCosts(kv_bytes_per_row(shape, nbytes), draft_row, kv_block=kv_block, extra_len=block + 1,
+    target_row = layout.bytes_per_row(nbytes) if layout is not None else kv_bytes_per_row(shape, nbytes)
+    return PoolCosts(target_row, draft_row, kv_block=kv_block, extra_len=block + 1,
                      **pool_state_costs(shape, nbytes, prefix_caching, verify_tokens=block))
 
 
-def paged(model: Any, backend: str) -> bool:
-    """Whether the target runs on a paged runner (native), which has a KV pool to plan; hf has none."""
-    return backend != "hf" and native_runner(model)[0] is not None
+@dataclass
+class BackendChoice:
+    """The target runner `backend` resolves to for a model: its class, and for the generic runner its probed
+    cache layout (the memory plan sizes the pool from it)."""
+
+    runner: type[TargetRunner]
+    layout: KVLayout | DSALayout | None = None
+
+    @property
+    def paged(self) -> bool:
+        """Whether the runner has a KV pool to plan (hf has none)."""
+        return self.runner is not HFTarget
+
+
+def choose_backend(model: Any, backend: str) -> BackendChoice:
+    """The runner for `backend`: native (our own forward: Qwen3, Llama, Qwen2, Qwen3-MoE, the hybrids), generic (any
+    attention-only transformers decoder through the attention interface), hf, or auto: native where it runs the
+    model, else generic, else hf. ValueError (one line) when the named backend cannot run the model, or none can
+    (layers whose state no cache here rolls back). auto logs its choice and why once."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose {', '.join(BACKENDS)}")
+    model_type = model.config.model_type
+    kinds = set(getattr(model.config.get_text_config(), "layer_types", None) or [])
+    runner, native_reason = native_runner(model)
+    if model_type in HYBRID_MODEL_TYPES and (backend in ("hf", "generic") or runner is None):
+        # transformers' cache for these layers cannot be cropped, so a rejected draft could not be rolled back
+        raise ValueError(f"model_type {model_type!r} (Gated DeltaNet layers) runs on the native backend "
+                         f"only: {'use backend native or auto' if runner else native_reason}")
+    if backend == "native":
+        if runner is None:
+            raise ValueError(f"the native backend does not support {native_reason}; use backend generic or auto")
+        return BackendChoice(runner)
+    recurrent = sorted(kinds - set(ATTENTION_LAYER_TYPES) - {"chunked_attention"})
+    if recurrent and runner is None:  # state outside any KV cache: a rejected draft could not be rolled back
+        raise ValueError(f"model_type {model_type!r} has layers of kind {', '.join(recurrent)}, whose state no "
+                         f"backend here rolls back, so dflash-serve does not serve it")
+    if backend == "hf":
+        if "indexed_attention" in kinds:  # the indexer's key cache needs transformers' indexed cache layers
+            raise ValueError(f"model_type {model_type!r} (DeepSeek sparse attention) runs on the generic backend only: "
+                             f"use backend generic or auto")
+        return BackendChoice(HFTarget)
+    if backend == "auto" and runner is not None:
+        log.info("backend auto: native (our own forward of %s)", model_type)
+        return BackendChoice(runner)
+    try:
+        layout = layout_of(model)
+    except ValueError as exc:
+        if backend == "generic":
+            raise ValueError(f"the generic backend cannot run model_type {model_type!r}: {exc}; use backend "
+                             f"hf") from exc
+        log.info("backend auto: hf, one request per forward (native does not support %s; generic: %s)",
+                 native_reason, exc)
+        return BackendChoice(HFTarget)
+    if backend == "auto":
+        log.info("backend auto: generic, batched through transformers' attention interface (native does not "
+                 "support %s)", native_reason)
+    return BackendChoice(GenericTarget, layout)
 
 
 def memory_budget(
     config: EngineConfig, model: Any, draft_cfg: DraftConfig | None, device: torch.device, dtype: torch.dtype,
-    block: int,
+    block: int, choice: BackendChoice | None = None,
 ) -> MemoryBudget:
     """The start-up memory plan: the KV pool from --kv-cache-memory, else on CUDA --gpu-memory-utilization (0.9
     by default) less the weights, an activation reserve and the widest step's logits, else a share of the free RAM
     (`ram_cache_budget`); ValueError when one request of max_model_len cannot fit (it says what would). Runs after
     the target's weights load and before the caches and the draft's weights are allocated (the draft is counted
-    from its shape)."""
+    from its shape). `choice`: the target's runner (default: `config.backend`'s)."""
+    choice = choice or choose_backend(model, config.backend)
     nbytes = torch.tensor([], dtype=dtype).element_size()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     draft_weights = 0
@@ -269,18 +334,20 @@ def memory_budget(
             draft_weights = sum(p.numel() for p in DFlashDraft(draft_cfg).parameters()) * nbytes
     weights += draft_weights
     slots = config.max_running_requests
-    model_max = int(getattr(model.config, "max_position_embeddings", 4096))
-    if not paged(model, config.backend):
+    text = model.config.get_text_config()  # a multimodal checkpoint keeps these in its text config
+    model_max = int(getattr(text, "max_position_embeddings", 4096))
+    if not choice.paged:
         if config.kv_cache_memory is not None or config.gpu_memory_utilization is not None:
             log.warning("the hf backend has no KV pool: --kv-cache-memory / --gpu-memory-utilization are not applied")
         return no_pool(weights, slots, config.max_model_len or model_max, config.kv_block_size)
-    costs = pool_costs(model, draft_cfg, dtype, block, config.kv_block_size, config.enable_prefix_caching)
+    costs = pool_costs(model, draft_cfg, dtype, block, config.kv_block_size, config.enable_prefix_caching,
+                       choice.layout)
     if config.kv_cache_memory is not None:
         cache_budget, source = parse_bytes(config.kv_cache_memory), f"--kv-cache-memory {config.kv_cache_memory}"
     elif device.type == "cuda":
         utilization = config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
         free, total = torch.cuda.mem_get_info(device)
-        logits = verify_logits_bytes(slots, block, int(model.config.vocab_size), config.max_num_batched_tokens)
+        logits = verify_logits_bytes(slots, block, int(text.vocab_size), config.max_num_batched_tokens)
         cache_budget = cuda_cache_budget(utilization, total, weights, logits)
         source = f"--gpu-memory-utilization {utilization} of {total / 1e9:.1f} GB"
         # never more than the card has free now (another process, or another engine of this one, holds the rest):
@@ -310,28 +377,25 @@ def native_runner(model: Any) -> tuple[type[NativeTarget] | None, str | None]:
 
 
 def make_target(
-    model: Any, layer_ids: list[int] | None, backend: str, max_slots: int, max_model_len: int | None, block: int,
-    static: StaticShapes | None = None, num_blocks: int | None = None, kv_block: int = 16,
+    model: Any, layer_ids: list[int] | None, backend: str | BackendChoice, max_slots: int,
+    max_model_len: int | None, block: int, static: StaticShapes | None = None, num_blocks: int | None = None,
+    kv_block: int = 16,
 ) -> TargetRunner:
-    """The target runner for `backend` (hf, native or auto: native where it runs the model). A native runner's KV
+    """The target runner for `backend` (a name, resolved by `choose_backend`, or its choice). A paged runner's KV
     pool has `num_blocks` blocks of `kv_block` positions (None: every slot at full length, the runners' default)."""
-    if backend not in ("hf", "native", "auto"):
-        raise ValueError(f"unknown backend {backend!r}; choose hf, native or auto")
-    runner, reason = native_runner(model)
-    if model.config.model_type in HYBRID_MODEL_TYPES and (backend == "hf" or runner is None):
-        # transformers' cache for these layers cannot be cropped, so a rejected draft could not be rolled back
-        raise ValueError(f"model_type {model.config.model_type!r} (Gated DeltaNet layers) runs on the native backend "
-                         f"only: {'use backend native or auto' if runner else reason}")
-    if backend == "hf" or (backend == "auto" and runner is None):
-        if backend == "auto":
-            log.info("backend auto: the hf backend runs this target (native does not support %s)", reason)
+    choice = choose_backend(model, backend) if isinstance(backend, str) else backend
+    runner = choice.runner
+    if runner is HFTarget:
         return HFTarget(model, layer_ids)
-    if runner is None:
-        raise ValueError(f"the native backend does not support {reason}; use backend hf")
-    max_len = (max_model_len or int(getattr(model.config, "max_position_embeddings", 4096))) + block + 1
+    model_max = int(getattr(model.config.get_text_config(), "max_position_embeddings", 4096))
+    max_len = (max_model_len or model_max) + block + 1
+    paging = dict(max_slots=max_slots, max_len=max_len, num_blocks=num_blocks, kv_block=kv_block)
+    if runner is GenericTarget:
+        if static is not None:
+            log.info("compile: the generic runner's steps run eagerly")
+        return GenericTarget(model, layer_ids, layout=choice.layout, **paging)
     if runner is HybridTarget:
         if static is not None:  # its recurrent layers record per-row state for rollback, in Python
             log.info("compile: the hybrid runner's steps run eagerly")
-        return runner(model, layer_ids, max_slots=max_slots, max_len=max_len, num_blocks=num_blocks, kv_block=kv_block)
-    return runner(model, layer_ids, max_slots=max_slots, max_len=max_len, static=static, num_blocks=num_blocks,
-                  kv_block=kv_block)
+        return HybridTarget(model, layer_ids, **paging)
+    return NativeTarget(model, layer_ids, static=static, **paging)

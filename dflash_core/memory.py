@@ -81,10 +81,32 @@ def linear_dims(m: dict[str, Any]) -> tuple[int, int, int, int, int]:
     return 2 * nk * dk + nv * dv, int(m.get("linear_conv_kernel_dim") or 4), nv, dk, dv
 
 
+def layer_shape(m: dict[str, Any], index: int, kind: str) -> dict[str, Any]:
+    """The shape of layer `index`, of `kind`: the model's, with the kind's own fields (`layer_overrides`: Gemma 4's
+    full-attention layers have their own head dim and KV heads) and the layer's (`per_layer_config`, as
+    transformers writes a heterogeneous config) where it has them."""
+    own = (m.get("per_layer_config") or {})
+    return {**m, **(m.get("layer_overrides") or {}).get(kind, {}), **own.get(str(index), own.get(index, {}))}
+
+
 def kv_bytes_per_row(m: dict[str, Any], dtype_bytes: int) -> int:
-    """Keys + values of one position over the layers that keep them (not Gated DeltaNet layers)."""
-    attention = sum(kind != "linear_attention" for kind in layer_types(m))
-    return 2 * attention * int(m["num_key_value_heads"]) * int(m["head_dim"]) * dtype_bytes
+    """Keys + values of one position over the layers that keep them: not Gated DeltaNet layers, not the last
+    `num_kv_shared_layers` (they read an earlier layer's keys), each with its own KV heads and head dim. Values are
+    counted where a layer's values equal its keys too (`attention_k_eq_v`): the paged cache stores both."""
+    kinds = layer_types(m)
+    if m.get("index_head_dim"):  # DeepSeek sparse attention: per layer its latent and rotated key, and its
+        # indexer's keys where it has its own indexer (`dflash_core/runners/dsa.py`)
+        indexers = sum(kind != "shared" for kind in (m.get("indexer_types") or ["full"] * len(kinds)))
+        latent = int(m["kv_lora_rank"]) + int(m["qk_rope_head_dim"])
+        return (len(kinds) * latent + indexers * int(m["index_head_dim"])) * dtype_bytes
+    kinds = kinds[: len(kinds) - int(m.get("num_kv_shared_layers") or 0)]
+    rows = 0
+    for index, kind in enumerate(kinds):
+        if kind != "linear_attention":
+            shape = layer_shape(m, index, kind)
+            key_dim = int(shape.get("key_dim") or shape["head_dim"])
+            rows += int(shape["num_key_value_heads"]) * (key_dim + int(shape.get("value_dim") or shape["head_dim"]))
+    return rows * dtype_bytes
 
 
 def _linear_layers(m: dict[str, Any]) -> int:
@@ -123,11 +145,18 @@ def normalize_shape(cfg: dict[str, Any]) -> dict[str, Any]:
     """A model's config.json fields (its text_config folded in) with the KV heads and head dim filled in."""
     cfg = {**cfg, **(cfg.get("text_config") or {})}
     heads = int(cfg["num_attention_heads"])
-    return {
-        **cfg,
-        "num_key_value_heads": int(cfg.get("num_key_value_heads") or heads),
-        "head_dim": int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-    }
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    shape = {**cfg, "num_key_value_heads": kv_heads, "head_dim": head_dim}
+    if cfg.get("kv_lora_rank"):  # MLA (DeepSeek-V3, Kimi): the generic runner caches per-head keys and values
+        shape.update(num_key_value_heads=heads, key_dim=int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"]),
+                     value_dim=int(cfg["v_head_dim"]))
+    if cfg.get("global_head_dim"):  # Gemma 4: full-attention layers with their own head dim and KV heads
+        shape["layer_overrides"] = {"full_attention": {
+            "head_dim": int(cfg["global_head_dim"]),
+            "num_key_value_heads": int(cfg.get("num_global_key_value_heads") or kv_heads),
+            "k_eq_v": bool(cfg.get("attention_k_eq_v"))}}
+    return shape
 
 
 # ---- the KV pool ----

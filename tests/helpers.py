@@ -63,8 +63,9 @@ def make_target(
     seed: int = 0,
 ):
     """A tiny random target with peaked logits (so greedy choices are far from ties), saved to `folder` (None: kept
-    in memory only); arch qwen3, llama, qwen2, qwen3_moe, gpt_oss (sliding window 8), or the hybrids qwen3_5,
-    qwen3_5_moe and qwen3_next (Gated DeltaNet layers with every fourth layer full attention)."""
+    in memory only); arch qwen3, llama, qwen2, qwen3_moe, gpt_oss (sliding window 8), the hybrids qwen3_5,
+    qwen3_5_moe and qwen3_next (Gated DeltaNet layers with every fourth layer full attention), or one of
+    `GENERIC_ARCHS` (`generic_family_model`)."""
     from transformers import (
         AutoModelForCausalLM,
         GptOssConfig,
@@ -107,12 +108,66 @@ def make_target(
         "qwen3_next": (Qwen3NextConfig, dict(linear, **moe, shared_expert_intermediate_size=32, decoder_sparse_step=1,
                                               partial_rotary_factor=0.25)),
     }
+    if arch in GENERIC_ARCHS:
+        model = generic_family_model(arch, common)
+        if folder is not None:
+            model.save_pretrained(str(folder))
+        return model.eval()
     cls, extra = configs[arch]
     cfg = cls(**common, **extra)
     model = AutoModelForCausalLM.from_config(cfg)
     if folder is not None:
         model.save_pretrained(str(folder))
     return model.eval()
+
+
+# families the generic runner serves that `make_target` builds from their own transformers configs
+GENERIC_ARCHS = ("gemma4", "minimax_m2", "glm4_moe", "deepseek_v3", "kimi_k25", "mistral", "phi3", "phi3_longrope",
+                 "glm_moe_dsa")
+
+
+def generic_family_model(arch: str, common: dict[str, Any]) -> Any:
+    """A tiny random model of one of `GENERIC_ARCHS`: gemma4 (text; sliding and full layers of different head dims,
+    per-layer inputs, the last two layers reusing earlier keys, logit softcapping), minimax_m2 and glm4_moe (MoE),
+    deepseek_v3 and kimi_k25 (MLA; Kimi K2.5 as the hub stores it, a vision tower beside a DeepSeek-V3 text model),
+    mistral (sliding window 8), phi3 (fused projections), phi3_longrope (LongRoPE past 64 positions: its rotary
+    embedding reads the largest position of a forward) and glm_moe_dsa (GLM-5: MLA with DeepSeek sparse attention)."""
+    import transformers as tf
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    vocab = common["vocab_size"]
+    mla = dict(common, num_key_value_heads=common["num_attention_heads"], kv_lora_rank=32, q_lora_rank=32,
+               qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+               n_group=1, topk_group=1, first_k_dense_replace=1, moe_intermediate_size=32, n_shared_experts=1)
+    mla.pop("head_dim")
+    if arch == "kimi_k25":
+        from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config
+
+        vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+        cfg = Kimi_K25Config(text_config=dict(mla, model_type="deepseek_v3"), vision_config=vision,
+                             tie_word_embeddings=False)
+        return AutoModelForImageTextToText.from_config(cfg)
+    configs = {
+        "gemma4": lambda: tf.Gemma4TextConfig(
+            **common, global_head_dim=32, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=8,
+            hidden_size_per_layer_input=16, vocab_size_per_layer_input=vocab, num_kv_shared_layers=2,
+            final_logit_softcapping=30.0),
+        "minimax_m2": lambda: tf.MiniMaxM2Config(**common, num_local_experts=4, num_experts_per_tok=2),
+        "glm4_moe": lambda: tf.Glm4MoeConfig(
+            **common, moe_intermediate_size=32, num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=1,
+            first_k_dense_replace=1, n_group=1, topk_group=1, use_qk_norm=True),
+        "deepseek_v3": lambda: tf.DeepseekV3Config(**mla),
+        # no padding row: a zero embedding scores every key 0 in the indexer, and transformers' top-k among equal
+        # scores depends on the shape of the forward (docs/serving.md), so such a token would not test exactness
+        "glm_moe_dsa": lambda: tf.GlmMoeDsaConfig(**dict(mla, pad_token_id=None), index_topk=8, index_head_dim=16,
+                                                  index_n_heads=8),
+        "mistral": lambda: tf.MistralConfig(**common, sliding_window=8),
+        "phi3": lambda: tf.Phi3Config(**common),
+        "phi3_longrope": lambda: tf.Phi3Config(**common, original_max_position_embeddings=64, rope_parameters=dict(
+            rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=64,
+            short_factor=[1.0 + i / 8 for i in range(8)], long_factor=[2.0 + i for i in range(8)])),
+    }
+    return AutoModelForCausalLM.from_config(configs[arch]())
 
 
 def make_draft(folder: str | Path, target_layers: int = 4, vocab_size: int = 384, block_size: int = 16, seed: int = 1):

@@ -346,12 +346,19 @@ def test_memory_estimate_of_hybrid_and_moe_presets(tmp_path: Path, capsys: pytes
     assert bench.memory_from_preset(REPO / "configs" / "qwen3.5-27b.yaml")["target_params"] == 26_895_998_464
     oss = bench.memory_from_preset(REPO / "configs" / "gpt-oss-20b.yaml")
     assert oss["target_params"] == 20_914_757_184 and oss["state_bytes_per_request"] == 0  # every expert resident
-    assert oss["backend"] == "hf"
+    assert oss["backend"] == "generic" and oss["cards"]["80 GB"]["fits"]
+    for preset, params, kv in (("gemma-4-31b.yaml", 30.70, 901_120), ("gemma-4-26b-a4b.yaml", 25.23, 225_280)):
+        gemma = bench.memory_from_preset(REPO / "configs" / preset)  # the published 30.7 B and 25.2 B
+        assert round(gemma["target_params"] / 1e9, 2) == params and gemma["target_kv_bytes_per_token"] == kv
+        assert gemma["backend"] == "generic" and gemma["cards"]["H200 141 GB"]["fits"]
+    big = bench.memory_from_preset(REPO / "configs" / "gpt-oss-120b.yaml")  # bfloat16: more than one H200 holds
+    assert round(big["target_params"] / 1e9, 1) == 116.8 and not big["cards"]["H200 141 GB"]["fits"]
+    assert big["cards"]["H200 141 GB"]["why"] == "weights"
     presets = [str(REPO / "configs" / n) for n in ("qwen3.5-9b.yaml", "qwen3.5-27b.yaml", "qwen3.6-27b.yaml",
                                                    "gpt-oss-20b.yaml")]
     assert bench.main(["memory", *presets]) == 0
     out = capsys.readouterr().out
-    assert out.count("\n| `") == 4 and "hf backend: no pool" in out and "running: recurrent state)" in out
+    assert out.count("\n| `") == 4 and "running: recurrent state)" in out
 
     target, draft = make_tiny_pair(tmp_path, "qwen3_5")
     budget = 3 << 20

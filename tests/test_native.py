@@ -1,4 +1,5 @@
-"""The native backend reproduces transformers' logits and hidden-state features, batched or not."""
+"""The native backend (and the generic one, on the same families) reproduces transformers' logits and hidden-state
+features, batched or not."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from dflash_core.config import EngineConfig
 from dflash_core.engine import Engine
 from dflash_core.loading import load_models
+from dflash_core.runners.generic import GenericTarget
 from dflash_core.runners.hf import HFTarget
 from dflash_core.runners.native import NativeTarget
 from dflash_core.sampling import SamplingParams
@@ -30,8 +32,12 @@ def full_pass(model, seq: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return out.logits, out.features
 
 
-def test_prefill_verify_rollback_match_transformers(model):
-    native = NativeTarget(model, LAYER_IDS, max_slots=2, max_len=128)
+PAGED_RUNNERS = pytest.mark.parametrize("runner", [NativeTarget, GenericTarget], ids=["native", "generic"])
+
+
+@PAGED_RUNNERS
+def test_prefill_verify_rollback_match_transformers(model, runner):
+    native = runner(model, LAYER_IDS, max_slots=2, max_len=128)
     g = torch.Generator().manual_seed(0)
     seq = torch.randint(4, 300, (60,), generator=g).tolist()
     ref_logits, ref_feats = full_pass(model, seq)
@@ -48,8 +54,9 @@ def test_prefill_verify_rollback_match_transformers(model):
     torch.testing.assert_close(out.features, ref_feats[30:46], rtol=1e-4, atol=1e-4)
 
 
-def test_batched_rows_equal_single_rows(model):
-    native = NativeTarget(model, LAYER_IDS, max_slots=3, max_len=128)
+@PAGED_RUNNERS
+def test_batched_rows_equal_single_rows(model, runner):
+    native = runner(model, LAYER_IDS, max_slots=3, max_len=128)
     seqs = [list(range(5, 25)), list(range(40, 47)), list(range(100, 150))]
     slots = [native.new_cache(i) for i in range(len(seqs))]
     prefix = [11, 5, 33]

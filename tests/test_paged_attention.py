@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dflash_core import attention
 from dflash_core.attention import PagedAttention, attention_kernel, kv_rows, paged_attention, write_kv
 
 KV_BLOCK = 4
@@ -104,3 +105,39 @@ def test_kernel_choice_and_its_override(monkeypatch):
     monkeypatch.setenv("DFLASH_ATTENTION", "flash")
     with pytest.raises(ValueError, match="DFLASH_ATTENTION"):
         attention_kernel("cuda")
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_sliding_window_softcap_and_sinks_equal_their_definitions(chunked, monkeypatch):
+    """A windowed PagedAttention sees only keys within `window` positions of each query (transformers' rule:
+    q - k < window), and the explicit path's softcap and attention sinks follow their definitions, written out here
+    from scratch for each query (chunked: one row per chunk of the explicit path)."""
+    if chunked:
+        monkeypatch.setattr(attention, "EXPLICIT_SCORES_BYTES", 1)
+    g = torch.Generator().manual_seed(5)
+    lengths = [37, 9]
+    k_cache, v_cache, table, dense_k, dense_v = _paged(g, lengths, num_blocks=20)
+    q_pos = torch.tensor([[33, 34, 35, 36], [5, 6, 7, 8]])
+    q = torch.randn(2, HEADS, 4, D, generator=g)
+    sinks = torch.randn(HEADS, generator=g)
+    window, cap, scale = 6, 2.0, D**-0.5
+    base = PagedAttention(table, q_pos, KV_BLOCK, k_cache.shape[0], kv_len=37)
+    windowed = base.windowed(window)
+    rep = HEADS // KV_HEADS
+    for softcap, sink in ((None, None), (cap, None), (None, sinks), (cap, sinks)):
+        out = windowed(q, k_cache, v_cache, scale, softcap, sink)
+        for r in range(2):
+            for i in range(4):
+                p = int(q_pos[r, i])
+                seen = [j for j in range(p + 1) if p - j < window]
+                for h in range(HEADS):
+                    keys, values = dense_k[r, h // rep, seen], dense_v[r, h // rep, seen]
+                    scores = keys @ q[r, h, i] * scale
+                    if softcap is not None:
+                        scores = torch.tanh(scores / softcap) * softcap
+                    logits = scores if sink is None else torch.cat([scores, sink[h : h + 1]])
+                    probs = torch.softmax(logits, dim=0)[: len(seen)]
+                    torch.testing.assert_close(out[r, h, i], probs @ values, rtol=1e-5, atol=1e-5)
+    # without a window every earlier key is seen: the SDPA path equals the dense reference
+    torch.testing.assert_close(base(q, k_cache, v_cache, scale), _dense(q, dense_k, dense_v, q_pos), rtol=1e-5,
+                               atol=1e-5)

@@ -109,7 +109,7 @@ def test_presets_parse_with_the_pool_settings() -> None:
     for preset in presets:
         s = resolve_settings(["--config", str(preset)], env={})
         assert s.kv_block_size == 16 and s.enable_prefix_caching, preset.name
-        if s.device == "cuda" and s.backend == "auto" and "gpt-oss" not in preset.name:
+        if s.device == "cuda" and s.backend == "auto":
             assert s.max_running_requests == 256 and s.gpu_memory_utilization == 0.9, preset.name
 
 

@@ -1,7 +1,10 @@
 """dflash-train for every target family: dense (qwen3, llama, qwen2), MoE (qwen3_moe, gpt_oss) and hybrid Gated
-DeltaNet (qwen3_5, qwen3_5_moe, qwen3_next). Each tiny target gets a draft trained for a few steps; the engine loads
-the pair, and greedy output with the draft equals plain decoding. Also: the draft's MLP width and RoPE as taken
-from target configs (no model needed)."""
+DeltaNet (qwen3_5, qwen3_5_moe, qwen3_next) on the native runner, and the generic runner's families (gpt_oss,
+gemma4, minimax_m2, glm4_moe, deepseek_v3, kimi_k25, mistral, phi3, glm_moe_dsa). Each tiny target gets a draft
+trained for a few steps; the engine loads the pair, greedy output with the draft equals plain decoding, and four
+concurrent chat requests of different lengths served over HTTP (the real `openai` client against uvicorn on
+127.0.0.1) answer as plain decoding does. Also: the draft's MLP width and RoPE as taken from target configs (no
+model needed)."""
 
 from __future__ import annotations
 
@@ -18,8 +21,13 @@ from tests.helpers import make_target, make_tokenizer
 
 # qwen3_5_vl: Qwen3.5 as the hub stores it (Qwen3_5ForConditionalGeneration, a vision tower beside the text model),
 # which transformers loads as the text-only Qwen3_5ForCausalLM
-FAMILIES = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_next", "gpt_oss")
-HELPER_FAMILIES = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen3_5")  # built by tests.helpers.make_target
+FAMILIES = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_next", "gpt_oss",
+            "gemma4", "minimax_m2", "glm4_moe", "deepseek_v3", "kimi_k25", "mistral", "phi3", "glm_moe_dsa")
+# built by tests.helpers.make_target
+HELPER_FAMILIES = ("qwen3", "llama", "qwen2", "qwen3_moe", "qwen3_5", "gemma4", "minimax_m2", "glm4_moe", "deepseek_v3",
+                   "kimi_k25", "mistral", "phi3", "glm_moe_dsa")
+GENERIC = ("gpt_oss", "gemma4", "minimax_m2", "glm4_moe", "deepseek_v3", "kimi_k25", "mistral", "phi3",
+           "glm_moe_dsa")  # auto: generic
 COMMON = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               max_position_embeddings=1024, initializer_range=0.2, tie_word_embeddings=False, eos_token_id=2,
               pad_token_id=0, bos_token_id=None)
@@ -110,7 +118,9 @@ def test_train_then_serve_every_family(family: str, workspace: dict[str, Any], c
     err = capsys.readouterr().err
     assert rc == 0, err
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["hidden_size"] == 64 and cfg["head_dim"] == 16 and cfg["num_target_layers"] == 4
+    # MLA configs (deepseek_v3, kimi_k25) name their RoPE part head_dim: the draft takes it
+    assert cfg["hidden_size"] == 64 and cfg["num_target_layers"] == 4
+    assert cfg["head_dim"] == (8 if family in ("deepseek_v3", "kimi_k25", "glm_moe_dsa") else 16)
     assert cfg["dflash_config"]["mask_token_id"] == tok.convert_tokens_to_ids("<|mask|>")
     assert cfg["rope_theta"] == train.rope_theta(tcfg)
     assert cfg["intermediate_size"] == {"qwen3_5_moe": 32 * 2 + 32, "gpt_oss": 32}.get(family, 128)
@@ -124,8 +134,10 @@ def test_train_then_serve_every_family(family: str, workspace: dict[str, Any], c
     plain = load_models(EngineConfig(str(target), None, speculative=False, device="cpu", dtype="float32",
                                      max_running_requests=2))
     assert spec.block_size == 4
+    assert spec.backend == ("generic" if family in GENERIC else "native")
     prompts = [encode_chat(tok, [{"role": "user", "content": text}]) for text in ("Hello there", "How many foxes?")]
     assert greedy(spec, prompts, 12) == greedy(plain, prompts, 12)
+    served_over_http(spec, plain, target, out)
 
     # the features the draft trained on are the ones the serving runner hands it (padded batch rows included)
     layer_ids = cfg["dflash_config"]["target_layer_ids"]
@@ -184,3 +196,41 @@ def test_cached_features_keep_massive_activations_finite() -> None:
     kept = train.loop.compact(massive)
     assert kept.dtype == torch.bfloat16 and torch.isfinite(kept).all()
     assert kept.float()[0, 1].item() == pytest.approx(-9e4, rel=1e-2)
+
+
+HTTP_QUESTIONS = ("Hi", "Tell me about 2 foxes", "def add(a, b): what does it return, and why?",
+                  "Unit conversions: how many metres are 3 feet? " * 4)
+
+
+def served_over_http(spec: Any, plain: Any, target: Path, draft: Path) -> None:
+    """Four concurrent chat completions of different lengths through the real `openai` client against the app on
+    uvicorn (127.0.0.1), served by `spec` (the engine with the draft): each answer is plain decoding's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+
+    from dflash_core.chat import encode_chat
+    from server import app as server_app
+    from server.settings import Settings
+    from tests.server_fixtures import InProcessServer
+
+    tok = spec.tokenizer
+    expected = [tok.decode(ids, skip_special_tokens=True)
+                for ids in greedy(plain, [encode_chat(tok, [{"role": "user", "content": q}]) for q in HTTP_QUESTIONS],
+                                  10)]
+    settings = Settings(target=str(target), draft=str(draft), device="cpu", served_model_name="tiny", one_core=False,
+                        generation_config="none")
+    server = InProcessServer(server_app.create_app(settings, models=spec)).start()
+    try:
+        client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+        def ask(question: str) -> str:
+            r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": question}],
+                                               max_tokens=10, temperature=0)
+            return r.choices[0].message.content or ""
+
+        with ThreadPoolExecutor(len(HTTP_QUESTIONS)) as pool:
+            answers = list(pool.map(ask, HTTP_QUESTIONS))
+    finally:
+        server.stop()
+    assert answers == expected and any(answers)

@@ -31,6 +31,7 @@ from dflash_core.bench.serve import (
 )
 from dflash_core.bench.stall import format_stall, run_stall
 from dflash_core.cli_help import HelpFormatter
+from dflash_core.config import BACKENDS
 
 BENCH_EXTRA = 'pip install "dflash-serve[bench]"'
 
@@ -118,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--draft", help="DFlash draft folder or hub id (default: the demo draft)")
     off.add_argument("--tokenizer", help="tokenizer folder or hub id (default: the target's)")
     off.add_argument("--block-size", type=int, help="block size B (default: the draft's)")
-    off.add_argument("--backend", default="auto", choices=["auto", "native", "hf"],
+    off.add_argument("--backend", default="auto", choices=list(BACKENDS),
                      help="target forward, as dflash-serve --backend")
     off.add_argument("--speculation", default="adaptive", choices=["adaptive", "fixed"],
                      help="the width policy, as dflash-serve --speculation (fixed: the full block every step)")

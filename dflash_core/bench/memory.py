@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_core.bench.errors import BenchError
+from dflash_core.families import HYBRID_MODEL_TYPES, NATIVE_MODEL_TYPES
 from dflash_core.hybrid_state import REQUEST_CHECKPOINTS, checkpoint_limits
 from dflash_core.memory import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -25,6 +26,7 @@ from dflash_core.memory import (
     checkpoint_bytes,
     cuda_cache_budget,
     kv_bytes_per_row,
+    layer_shape,
     layer_types,
     linear_dims,
     normalize_shape,
@@ -48,6 +50,17 @@ CARDS: tuple[tuple[str, int], ...] = (("24 GB", 24 * GIB), ("48 GB", 48 * GIB), 
 _QWEN35 = dict(vocab_size=248320, tie_word_embeddings=False, max_position_embeddings=262144, qk_norm=True,
                model_type="qwen3_5_text", full_attention_interval=4, attn_output_gate=True, head_dim=256,
                linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4)
+# Gemma 4 text configs: five sliding-window layers (window 1024, head dim 256) then one global layer (head dim 512,
+# its own KV heads, values equal to the keys), vocabulary 262144, tied embeddings, q/k norms
+_GEMMA4 = dict(model_type="gemma4_text", vocab_size=262144, tie_word_embeddings=True, max_position_embeddings=262144,
+               head_dim=256, sliding_window=1024, qk_norm=True,
+               layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10)
+
+
+def _gemma4_global(num_key_value_heads: int) -> dict[str, dict[str, Any]]:
+    return {"full_attention": dict(head_dim=512, num_key_value_heads=num_key_value_heads, k_eq_v=True)}
+
+
 # z-lab drafts: Qwen3-style layers (full attention, 32 heads x 128, 8 KV heads), 5 of them, block size 16
 _DRAFT = dict(num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8, head_dim=128, block_size=16,
               qk_norm=True)
@@ -64,7 +77,9 @@ _DRAFT = dict(num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8
 # Qwen/Qwen3.6-27B: not read from its config.json; taken to be Qwen3.5-27B's shape (the same qwen3_5 classes and
 # layer layout, per third-party notes). openai/gpt-oss-20b: its config.json (24 layers x 2880, 64 / 8 heads x 64,
 # 32 experts x 2880, top 4, vocabulary 201088, untied), 20.91 B parameters as transformers counts them (the hub
-# stores the experts in MXFP4; dtype bfloat16 holds them dequantized). Their drafts are assumed (`_DRAFT`, not
+# stores the experts in MXFP4; dtype bfloat16 holds them dequantized). openai/gpt-oss-120b: its config.json as
+# published (36 layers x 2880, 64 / 8 heads x 64, 128 experts x 2880, top 4, the same vocabulary and attention
+# pattern), about 117 B parameters as transformers counts them. Their drafts are assumed (`_DRAFT`, not
 # read from the hub): 5 Qwen3-style layers of 32 heads x 128 at the target's width and MLP width, target layer ids
 # by z-lab's rule (Qwen3.5-9B-DFlash's [1, 8, 15, 22, 29] and its 32 heads are also on a third-party card); the
 # hub lists z-lab's Qwen3.5-9B-DFlash at 1 B and Qwen3.6-27B-DFlash at 2 B parameters, as these shapes give.
@@ -100,6 +115,25 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
                                tie_word_embeddings=False, max_position_embeddings=131072, attention_bias=True,
                                num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
                                layer_types=["sliding_attention", "full_attention"] * 12),
+    "openai/gpt-oss-120b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
+                                num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
+                                tie_word_embeddings=False, max_position_embeddings=131072, attention_bias=True,
+                                num_local_experts=128, num_experts_per_tok=4, sliding_window=128,
+                                layer_types=["sliding_attention", "full_attention"] * 18),
+    "z-lab/gpt-oss-120b-DFlash": dict(_DRAFT, hidden_size=2880, intermediate_size=2880,
+                                      target_layer_ids=[1, 9, 17, 25, 33]),
+    "google/gemma-4-31B-it": dict(_GEMMA4, hidden_size=5376, intermediate_size=21504, num_hidden_layers=60,
+                                  num_attention_heads=32, num_key_value_heads=16,
+                                  layer_overrides=_gemma4_global(num_key_value_heads=4)),
+    "google/gemma-4-26B-A4B-it": dict(_GEMMA4, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
+                                      num_attention_heads=16, num_key_value_heads=8, enable_moe_block=True,
+                                      num_experts=128, top_k_experts=8, moe_intermediate_size=704,
+                                      layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5,
+                                      layer_overrides=_gemma4_global(num_key_value_heads=2)),
+    "z-lab/gemma-4-31B-it-DFlash": dict(_DRAFT, hidden_size=5376, intermediate_size=21504,
+                                        target_layer_ids=[1, 15, 29, 43, 57]),
+    "z-lab/gemma-4-26B-A4B-it-DFlash": dict(_DRAFT, hidden_size=2816, intermediate_size=2112,
+                                            target_layer_ids=[1, 8, 14, 20, 27]),
     "z-lab/Qwen3.5-9B-DFlash": dict(_DRAFT, hidden_size=4096, intermediate_size=12288,
                                     target_layer_ids=[1, 8, 15, 22, 29]),
     "z-lab/Qwen3.5-27B-DFlash": dict(_DRAFT, hidden_size=5120, intermediate_size=17408,
@@ -136,12 +170,14 @@ def _model_shape(name: str) -> dict[str, Any]:
 
 
 def _attention_params(m: dict[str, Any]) -> int:
-    """Attention (q, k, v, o; q doubled by an output gate; q/k norms for Qwen3; biases and sinks for gpt-oss)."""
+    """Attention (q, k, v, o; q doubled by an output gate; q/k norms for Qwen3 and Gemma; biases and sinks for
+    gpt-oss; no v projection where values are the keys, Gemma 4's global layers)."""
     h, hd = int(m["hidden_size"]), int(m["head_dim"])
     heads = int(m["num_attention_heads"])
     q, kv = heads * hd, int(m["num_key_value_heads"]) * hd
     q_out = 2 * q if m.get("attn_output_gate") else q
-    params = h * q_out + 2 * h * kv + q * h + (2 * hd if m.get("qk_norm") else 0)
+    kv_projections = 1 if m.get("k_eq_v") else 2
+    params = h * q_out + kv_projections * h * kv + q * h + (2 * hd if m.get("qk_norm") else 0)
     if m.get("attention_bias"):
         params += q_out + 2 * kv + h
     return params + (heads if m.get("model_type") == "gpt_oss" else 0)
@@ -160,8 +196,11 @@ def _mlp_params(m: dict[str, Any]) -> int:
     the router, a shared expert with its gate (Qwen3.5-MoE, Qwen3-Next), biases for gpt-oss."""
     h = int(m["hidden_size"])
     experts = int(m.get("num_experts") or m.get("num_local_experts") or 0)
+    dense = 3 * h * int(m["intermediate_size"])
     if not experts:
-        return 3 * h * int(m["intermediate_size"])
+        return dense
+    if m.get("enable_moe_block"):  # Gemma 4's MoE layers: a dense MLP beside the experts
+        return dense + experts * 3 * h * int(m["moe_intermediate_size"]) + h * experts
     width = int(m.get("moe_intermediate_size") or m["intermediate_size"])
     params = experts * 3 * h * width + h * experts
     if m.get("model_type") == "gpt_oss":
@@ -170,9 +209,10 @@ def _mlp_params(m: dict[str, Any]) -> int:
     return params + (3 * h * shared + h if shared else 0)
 
 
-def _layer_params(m: dict[str, Any], kind: str = "full_attention") -> int:
-    """One decoder layer: its token mixer, its MLP, two RMSNorms."""
-    mixer = _linear_attention_params(m) if kind == "linear_attention" else _attention_params(m)
+def _layer_params(m: dict[str, Any], index: int = 0, kind: str = "full_attention") -> int:
+    """Decoder layer `index`: its token mixer, its MLP, two RMSNorms."""
+    mixer = (_linear_attention_params(m) if kind == "linear_attention"
+             else _attention_params(layer_shape(m, index, kind)))
     return mixer + _mlp_params(m) + 2 * int(m["hidden_size"])
 
 
@@ -180,7 +220,7 @@ def target_params(m: dict[str, Any]) -> int:
     """Parameters of a decoder LM: embeddings (+ an untied head), layers, final norm."""
     h, v = int(m["hidden_size"]), int(m["vocab_size"])
     heads = v * h * (1 if m.get("tie_word_embeddings") else 2)
-    return heads + sum(_layer_params(m, kind) for kind in layer_types(m)) + h
+    return heads + sum(_layer_params(m, i, kind) for i, kind in enumerate(layer_types(m))) + h
 
 
 def draft_params(m: dict[str, Any]) -> int:
@@ -246,8 +286,8 @@ def memory_estimate(
     every running request at full length, the runners' default pool) with its totals; and, per card of `CARDS`, the
     pool `gpu_memory_utilization` (default 0.9) leaves beside the weights, in tokens and in requests (`cards`).
     Activations, the CUDA context and allocator slack come on top of the totals. A target the native backend does
-    not run (gpt-oss: sliding-window attention) runs on hf, whose caches grow with each request: its figures are
-    what a pool of that size would hold."""
+    not run (gpt-oss: sliding-window attention) runs on the generic backend, whose pool keeps every attention
+    layer's keys at every position (a sliding-window layer's too): the figures count them all."""
     t = _model_shape(target)
     d = _model_shape(draft) if draft else None
     nbytes = DTYPE_BYTES.get(dtype)
@@ -279,8 +319,9 @@ def memory_estimate(
         "record_bytes_per_request": record_bytes(t, nbytes, block),
     }
     out["weights_bytes"] = weights = (out["target_params"] + out["draft_params"]) * nbytes
-    # the native backend does not run sliding-window attention: such a target runs on hf, which has no pool
-    out["backend"] = "hf" if "sliding_attention" in layer_types(t) else "native"
+    # what backend auto picks: native for its families (without sliding windows), else generic
+    native = t.get("model_type", "qwen3") in (*NATIVE_MODEL_TYPES, *HYBRID_MODEL_TYPES)
+    out["backend"] = "native" if native and "sliding_attention" not in layer_types(t) else "generic"
     try:
         plan = plan_memory(costs, weights, max_running_requests, length, model_max, kv_cache_memory,
                            "--kv-cache-memory")
@@ -329,8 +370,6 @@ def _cell(card: dict[str, Any], length: int, cap: int, backend: str) -> str:
     """One card's figures: pool tokens, then requests of max_model_len and of 2,048 tokens that run at once."""
     if not card["fits"] and card["why"] == "weights":
         return "- (weights)"
-    if backend == "hf":
-        return "hf backend: no pool"
     if not card["fits"]:
         return f"{card['pool_tokens']:,} tokens: < 1 x {length:,}"
     text = f"{card['pool_tokens']:,} tokens: {card['requests_full']:,} x {length:,}"

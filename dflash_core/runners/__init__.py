@@ -1,5 +1,6 @@
-"""Runners: what executes models for the engine. `base` holds the interfaces (TargetRunner, Drafter); `hf` and
-`native` are the two target backends; `drafter` is the DFlash drafter."""
+"""Runners: what executes models for the engine. `base` holds the interfaces (TargetRunner, Drafter); `native`
+(with `hybrid`), `generic` and `hf` are the target backends, `paged` what the paged ones share; `drafter` is the
+DFlash drafter."""
 
 from dflash_core.runners.base import (
     Drafter,

@@ -51,12 +51,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_core.compat import chunk_gated_delta_rule
+from dflash_core.families import HYBRID_MODEL_TYPES
 from dflash_core.hybrid_state import MARKS, checkpoint_limits, checkpoint_nbytes
 from dflash_core.kv.pool import DEFAULT_KV_BLOCK
 from dflash_core.layers import apply_rope
-from dflash_core.runners.native import Batch, NativeTarget, Rope, Slot, supports
+from dflash_core.runners.native import Batch, NativeTarget, Rope, supports
+from dflash_core.runners.paged import Slot
 
-HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 _L2_EPS = 1e-6
 
 

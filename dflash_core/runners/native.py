@@ -24,36 +24,27 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from dflash_core.attention import PagedAttention, kv_rows, prepare, write_kv
+from dflash_core.attention import PagedAttention, prepare, write_kv
 from dflash_core.compat import rotary_positions
 from dflash_core.compile import StaticShapes
-from dflash_core.kv.pool import DEFAULT_KV_BLOCK, blocks_for, slot_layout_blocks
+from dflash_core.families import NATIVE_MODEL_TYPES
+from dflash_core.kv.pool import DEFAULT_KV_BLOCK
 from dflash_core.layers import apply_rope
-from dflash_core.runners.base import TargetOutput, TargetRow, TargetRunner
+from dflash_core.runners.base import TargetOutput
 from dflash_core.runners.dense import DenseLayer, dense_layer
+from dflash_core.runners.paged import PagedTarget, Rows
 
 log = logging.getLogger("dflash.native")
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "llama", "qwen2", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = NATIVE_MODEL_TYPES
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [b, n, rotary dim]
-Rows = Sequence[TargetRow | tuple[list[int], int, Any]]
 LayerStep = Callable[[int, nn.Module, torch.Tensor, "Batch", Rope], torch.Tensor]  # (li, layer, h, batch, rope) -> h
-
-
-@dataclass
-class Slot:
-    """One request's cache: its slot index (from the engine's SlotPool), filled length and block table (the
-    engine's list, grown in place; position p is in block `blocks[p // kv_block]`)."""
-
-    index: int
-    length: int = 0
-    blocks: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -90,7 +81,7 @@ def supports(model: nn.Module, model_types: Sequence[str] = SUPPORTED_MODEL_TYPE
     return None
 
 
-class NativeTarget(TargetRunner):
+class NativeTarget(PagedTarget):
     """Batched target forward over a paged KV cache; same outputs as `HFTarget`, tested logit for logit.
 
     Subclasses for other layer types override `_allocate` (their caches), `_mix` (a layer's token mixer),
@@ -100,7 +91,6 @@ class NativeTarget(TargetRunner):
     backend = "native"
     model_types: tuple[str, ...] = SUPPORTED_MODEL_TYPES
     ragged = True  # eager rows of different lengths run unpadded (subclasses whose mixers need [b, n]: False)
-    prefix_cacheable = True  # a request's state is its KV rows alone: it may start from blocks another one wrote
     packs_layers = True  # self-attention layers run as `DenseLayer`s (subclasses with their own mixers: False)
 
     def __init__(
@@ -109,7 +99,7 @@ class NativeTarget(TargetRunner):
     ) -> None:
         reason = supports(model, self.model_types)
         if reason is not None:
-            raise ValueError(f"the native backend does not support {reason}; use --backend hf")
+            raise ValueError(f"the native backend does not support {reason}; use --backend generic or auto")
         self.model = model.eval()
         cfg = model.config
         self.config = cfg
@@ -128,18 +118,7 @@ class NativeTarget(TargetRunner):
         self.scaling = self.head_dim**-0.5
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.max_len = int(max_len)  # the longest position + 1 a request may reach
-        self.max_slots = int(max_slots)  # concurrent requests (per-slot states of subclasses)
-        if kv_block < 1:
-            raise ValueError(f"kv_block must be at least 1 (got {kv_block})")
-        self.kv_block_size = int(kv_block)
-        self.table_len = blocks_for(self.max_len, kv_block)  # the blocks a request's table can reach
-        # default: each slot a fixed run of blocks after the null block (new_cache without blocks uses it)
-        self.fixed_runs = num_blocks is None
-        self.num_blocks = (slot_layout_blocks(self.max_slots, self.max_len, kv_block) if num_blocks is None
-                           else int(num_blocks))
-        if self.num_blocks < 2:
-            raise ValueError(f"num_blocks must be at least 2, the null block and one more (got {self.num_blocks})")
+        self._init_paging(max_slots, max_len, num_blocks, kv_block)
         # each plain self-attention layer as packed weights and a few tensor ops (None: the layer's modules run it)
         self.dense: list[DenseLayer | None] = (
             [dense_layer(layer, self.num_heads, self.num_kv_heads, self.head_dim) for layer in self.layers]
@@ -155,11 +134,6 @@ class NativeTarget(TargetRunner):
 
             self._static_step = StaticStep(self, static)
 
-    @property
-    def kv_rows_total(self) -> int:
-        """Flat rows of each layer's key / value tensor: num_blocks * kv_block."""
-        return self.num_blocks * self.kv_block_size
-
     def _allocate(self) -> None:
         """The KV cache: per layer, one key and one value tensor `[num_blocks * kv_block, kv_heads, head_dim]`."""
         self.k_cache, self.v_cache = self._kv_tensors(self.num_layers)
@@ -170,11 +144,6 @@ class NativeTarget(TargetRunner):
         def one() -> torch.Tensor:
             return torch.zeros(shape, dtype=self.dtype, device=self.device)
         return [one() for _ in range(layers)], [one() for _ in range(layers)]
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        """Bytes of the attention KV cache (every layer's keys and values, every block, the null one too)."""
-        return sum(t.nbytes for t in (*self.k_cache, *self.v_cache))
 
     @property
     def pads_rows(self) -> bool:
@@ -188,63 +157,9 @@ class NativeTarget(TargetRunner):
     def lm_head_weight(self) -> torch.Tensor:
         return self.lm_head.weight
 
-    # ---- caches ----
-    def new_cache(self, slot: int, blocks: list[int] | None = None, cached: int = 0, state: Any = None) -> Slot:
-        """The request's cache: slot `slot`, block table `blocks` (the engine's list, kept by reference and grown by
-        the engine; None: the slot's own fixed run of blocks, only with the default num_blocks), its first `cached`
-        positions already in the cache (a prefix-cache hit)."""
-        return Slot(slot, *self._paging(slot, blocks, cached))
-
-    def _paging(self, slot: int, blocks: list[int] | None, cached: int) -> tuple[int, list[int]]:
-        if not 0 <= slot < self.max_slots:
-            raise ValueError(f"slot {slot} outside the KV cache's {self.max_slots} slots")
-        if blocks is None:
-            if not self.fixed_runs:
-                raise ValueError("new_cache without blocks needs the default num_blocks (a fixed run per slot)")
-            first = 1 + slot * self.table_len
-            blocks = list(range(first, first + self.table_len))
-        elif not all(0 < b < self.num_blocks for b in blocks):
-            raise ValueError(f"block ids must lie in 1 .. {self.num_blocks - 1} (0 is the null block): {blocks}")
-        if not 0 <= cached <= len(blocks) * self.kv_block_size:
-            raise ValueError(f"cached={cached} outside the {len(blocks)} blocks given")
-        return cached, blocks
-
-    def crop(self, cache: Slot, length: int) -> None:
-        cache.length = min(cache.length, length)
-
-    # ---- forward ----
-    def _check(self, rows: Rows) -> None:
-        """Every row starts inside what its cache holds, and its blocks cover its positions."""
-        kvb = self.kv_block_size
-        for tokens, start, cache in rows:
-            end = start + len(tokens)
-            if start > cache.length:  # rows never written would be visible
-                raise ValueError(f"a row starts at {start}, past the end of its cache ({cache.length})")
-            if end > self.max_len:
-                raise ValueError(f"position {end} beyond the KV cache ({self.max_len})")
-            if len(cache.blocks) * kvb < end:
-                raise ValueError(f"a row's {len(cache.blocks)} blocks of {kvb} positions do not cover its positions "
-                                 f"up to {end}")
-
-    @staticmethod
-    def tables(rows: Rows, width: int) -> list[list[int]]:
-        """The rows' block tables cut or padded with the null block to `width` entries."""
-        return [(list(cache.blocks[:width]) + [0] * width)[:width] for _, _, cache in rows]
-
     def _batch(self, rows: Rows) -> Batch:
-        b = len(rows)
-        n = max(len(t) for t, _, _ in rows)
-        kvb = self.kv_block_size
-        # table entries for every column's position, padding too (0 past a row's blocks: padding writes the null
-        # block there, and into the row's own blocks past its end elsewhere, which no query sees before a rewrite)
-        width = -(-(max(s for _, s, _ in rows) + n) // kvb)
-        kv_len = max(s + len(t) for t, s, _ in rows)
-        meta = [[s, len(t), c.index] for t, s, c in rows]
-        packed = torch.tensor([m + tb for m, tb in zip(meta, self.tables(rows, width))], device=self.device)
-        pos = packed[:, :1] + torch.arange(n, device=self.device)[None]  # [b, n]
-        table = packed[:, 3:]
-        attention = PagedAttention(table, pos, kvb, self.kv_rows_total, kv_len)
-        return Batch(rows, b, n, packed[:, 1], pos, packed[:, 2], table, kv_rows(table, pos, kvb), attention)
+        g = self._geometry(rows)
+        return Batch(rows, g.b, g.n, g.lengths, g.pos, g.slots, g.table, g.write, g.attention)
 
     def layer_kv(self, li: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `li`'s key and value cache tensors."""

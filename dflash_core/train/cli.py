@@ -136,14 +136,15 @@ def validate_args(args: argparse.Namespace) -> None:
 
 def load_target_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
     """The target (float32, eval mode, frozen, on --device) and its tokenizer; UsageError when either fails."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from dflash_core.loading import load_target
 
     try:
         tok = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
-        model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32)
+        model = load_target(args.target, torch.device(args.device), torch.float32)
     except Exception as exc:  # hub unreachable, missing files, unknown architecture: one message
         raise UsageError(f"cannot load target {args.target!r}: {str(exc).splitlines()[0]}") from None
-    model.to(args.device).eval()
     model.requires_grad_(False)
     return model, tok
 

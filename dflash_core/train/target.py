@@ -122,7 +122,8 @@ def draft_config(
     tcfg = model.config.get_text_config()
     H = int(tcfg.hidden_size)
     heads = int(tcfg.num_attention_heads)
-    head_dim = int(getattr(tcfg, "head_dim", None) or H // heads)
+    # a heterogeneous config (Gemma 4: a head dim per layer) refuses the global attribute; its dict holds it
+    head_dim = int(tcfg.to_dict().get("head_dim") or H // heads)
     vocab = int(model.get_input_embeddings().weight.shape[0])
     notes: list[str] = []
     if intermediate_size is None:
