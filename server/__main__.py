@@ -101,7 +101,21 @@ def preflight(settings: Settings) -> str | None:
             continue
         if not Path(value).expanduser().exists() and not _is_hub_id(value):
             return f"--{name} {value}: no such folder (and not a hub id such as 'org/name')"
-    return _device_problem(settings.device) or _budget_problem(settings)
+    return _device_problem(settings.device) or _budget_problem(settings) or _record_problem(settings)
+
+
+def _record_problem(settings: Settings) -> str | None:
+    """--record-traffic's folder: creatable and writable."""
+    if settings.record_traffic is None:
+        return None
+    folder = Path(settings.record_traffic).expanduser()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"--record-traffic {settings.record_traffic}: cannot create the folder ({exc.strerror or exc})"
+    if not os.access(folder, os.W_OK):
+        return f"--record-traffic {settings.record_traffic}: the folder is not writable"
+    return None
 
 
 def _raise_open_files_limit(connections: int) -> None:

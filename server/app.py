@@ -63,6 +63,8 @@ def create_app(
             await state.chat_setup.close()  # the grammar helper processes
         if state.worker is not None:
             await run_in_threadpool(state.worker.stop)
+        if state.recorder is not None:
+            await run_in_threadpool(state.recorder.close)  # what is queued is written
 
     # sse-starlette would cancel every stream as soon as uvicorn is asked to exit; server.__main__ drains them.
     if hasattr(AppStatus, "disable_automatic_graceful_drain"):

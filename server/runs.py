@@ -187,6 +187,7 @@ def start_run(
                     request_id=f"{rid}-{index}",
                     skip_special_tokens=req.skip_special_tokens,
                     include_stop_str=req.include_stop_str_in_output,
+                    record=req.store is not False,  # OpenAI's "store": false: never recorded
                 )
             )
     if len(handles) > worker.capacity:

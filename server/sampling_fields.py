@@ -3,8 +3,9 @@
 Implemented beyond the basics: ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``
 with string token-id keys, ``min_p``, ``min_tokens``; vLLM-style extensions ``top_k``, ``ignore_eos``,
 ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``. Fields that cannot change the output
-(``prompt_cache_key``, ``safety_identifier``, ``metadata``, ``store``, ``stream_options.include_obfuscation`` /
-``continuous_usage_stats``) are accepted and ignored.
+(``prompt_cache_key``, ``safety_identifier``, ``metadata``, ``stream_options.include_obfuscation`` /
+``continuous_usage_stats``) are accepted and ignored; ``store: false`` keeps the request out of
+``--record-traffic``.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class SamplingFields(Strict):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     metadata: dict[str, str] | None = None
-    store: bool | None = None
+    store: bool | None = None  # false: never recorded by --record-traffic (server/traffic.py)
 
     @field_validator("stop")
     @classmethod

@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 import yaml
 
 from dflash_core.config import EngineConfig
+from dflash_core.memory import parse_bytes
 from server.generation_config import GENERATION_CONFIG_MODES
 from server.reasoning import REASONING_STYLES
 from server.tools import TOOL_PARSERS
@@ -107,6 +108,12 @@ class Settings(EngineConfig):
         "seconds a request's grammar (response_format, forced tool calls) may take to compile in a helper process "
         "before the request gets a 400",
     )
+    record_traffic: str | None = _setting(
+        None, "record every finished request's prompt and output token ids, with its acceptance figures, as JSON "
+        "lines in this folder (user content, kept until deleted; a request with \"store\": false is not "
+        "recorded), for dflash-train --data FOLDER (default: none, nothing recorded)")
+    record_max_bytes: str = _setting(
+        "64MiB", "size of one --record-traffic shard: a new file is started before one would grow past it")
     allowed_origins: str | None = _setting(
         None, "CORS: origins allowed to call the API from a browser, a JSON list such as '[\"*\"]' (default: none)"
     )
@@ -147,6 +154,8 @@ class Settings(EngineConfig):
                 raise ValueError(f"{name} must be > 0")
         if self.shutdown_timeout < 0:
             raise ValueError("shutdown_timeout must be >= 0")
+        if parse_bytes(self.record_max_bytes) < 1024:
+            raise ValueError(f"record_max_bytes must be at least 1KiB, got {self.record_max_bytes!r}")
         self._validate_api_surface()
 
     def _validate_api_surface(self) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from dflash_core.config import EngineConfig
 from dflash_core.detokenize import TokenStrings
 from dflash_core.loading import DEMO_DRAFT, DEMO_TARGET, LoadedModels, load_models
+from dflash_core.memory import parse_bytes
 from server import affinity
 from server.chat_setup import ChatSetup
 from server.generation_config import GenerationDefaults, load_generation_defaults
@@ -26,6 +27,7 @@ from server.prompts import PromptBuilder
 from server.protocol import now_ts
 from server.runs import tokenize_limiter
 from server.settings import Settings
+from server.traffic import TrafficRecorder
 from server.worker import Worker
 
 log = logging.getLogger("dflash.server")
@@ -48,6 +50,7 @@ class ServerState:
     parser: ParsePool = field(default_factory=ParsePool)
     tokenize_limiter: Limiter = field(default_factory=tokenize_limiter)
     draining: bool = False  # set on SIGTERM (server.__main__): new requests get 503, /health 503
+    recorder: TrafficRecorder | None = None  # --record-traffic
     loop: asyncio.AbstractEventLoop | None = None  # the event loop serving the app (set by its lifespan)
     created: int = field(default_factory=now_ts)
 
@@ -85,6 +88,9 @@ class ServerState:
             chat_template=s.chat_template_text(),
             trust_request_chat_template=s.trust_request_chat_template,
         )
+        if s.record_traffic is not None:
+            self.recorder = TrafficRecorder(s.record_traffic, parse_bytes(s.record_max_bytes))
+            log.warning("recording traffic (prompts and outputs: user content) to %s", self.recorder.folder)
         worker = Worker(
             models.engine,
             models.tokenizer,
@@ -94,6 +100,7 @@ class ServerState:
             warm_up=models.engine.warm_up if warm_up else None,
             on_warm_up_error=lambda exc: self._failed(exc, on_error),
             on_ready=self._one_core if self._wants_one_core(models) else None,
+            recorder=self.recorder, model_name=self.served_model_name,
         )
         worker.start()
         self.models = models

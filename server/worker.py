@@ -26,6 +26,7 @@ from dflash_core.detokenize import OutputText
 from dflash_core.stats import SpecSummary
 from server.handoff import Delivery, post_all
 from server.serving_engine import ServingEngine
+from server.traffic import TrafficRecord, TrafficSink
 
 if TYPE_CHECKING:
     from dflash_core.outputs import StepOutput, TokenLogprob
@@ -80,6 +81,7 @@ class RequestHandle:
     request_id: str = ""  # for logs: "<response id>-<choice index>"
     skip_special_tokens: bool = True  # the output text's detokenization (vLLM's request field)
     include_stop_str: bool = False  # a stop string stays in the text (vLLM's include_stop_str_in_output)
+    record: bool = False  # hand it to the worker's traffic recorder when it finishes (not with "store": false)
     arrival: float = field(default_factory=time.monotonic)
     uid: int = field(default_factory=lambda: next(_ids))
 
@@ -102,6 +104,7 @@ class _Request:
     itl: list[float] = field(default_factory=list)
     done: bool = False  # the client has its last event
     aborted: bool = False  # the client went away
+    output_ids: list[int] = field(default_factory=list)  # the output's token ids (kept only to be recorded)
 
 
 class Worker:
@@ -110,13 +113,14 @@ class Worker:
     def __init__(
         self, engine: ServingEngine, tokenizer: Any, metrics: ServerMetrics, *, max_running: int, max_waiting: int,
         warm_up: Callable[[], Any] | None = None, on_warm_up_error: Callable[[Exception], None] | None = None,
-        on_ready: Callable[[], None] | None = None,
+        on_ready: Callable[[], None] | None = None, recorder: TrafficSink | None = None, model_name: str = "",
     ) -> None:
         """``warm_up`` (``Engine.warm_up``) runs first on the worker's own thread, the one that runs the steps
         (recorded CUDA graphs are per thread); the worker is ``ready`` once it has run. If it raises, the thread
         ends and ``on_warm_up_error`` gets the exception. ``on_ready`` runs on the worker's thread after the
         warm-up, before the first request (the server pins threads there); if it raises, the error is logged."""
         self._engine = engine
+        self._recorder, self._model_name = recorder, model_name  # --record-traffic: finished requests go there
         self._tokenizer = tokenizer
         self._metrics = metrics
         self._max_running = max_running
@@ -380,6 +384,8 @@ class Worker:
                 r.itl.extend([gap] * len(kept))
             r.last_token = now
         r.num_tokens += len(kept)
+        if self._recorder is not None and r.handle.record:
+            r.output_ids.extend(kept)
         event = WorkerEvent(
             index=r.handle.index, text=text, num_tokens=len(kept), logprobs=logprobs, finish_reason=finish
         )
@@ -414,6 +420,20 @@ class Worker:
         self._release_capacity()
         self._post(r.handle, ev)
         self._observe_finished(r, reason, now, ev.spec)
+        if self._recorder is not None and r.handle.record and reason in ("stop", "length"):
+            self._record(r, reason, ev.spec)
+
+    def _record(self, r: _Request, reason: str, spec: SpecSummary) -> None:
+        """Hand the finished request to the traffic recorder (it queues it: no file work on this thread)."""
+        h = r.handle
+        try:
+            self._recorder.record(TrafficRecord(  # type: ignore[union-attr]
+                id=h.request_id, created=time.time(), model=self._model_name,
+                prompt_token_ids=list(h.prompt_token_ids), output_token_ids=r.output_ids, finish_reason=reason,
+                num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
+                num_accepted_tokens=spec.num_accepted_tokens, mean_acceptance_length=spec.mean_acceptance_length))
+        except Exception:
+            log.exception("recording request %s failed", h.request_id)
 
     def _fail(self, r: _Request, error: WorkerError) -> None:
         """Fail one request alone."""

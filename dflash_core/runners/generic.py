@@ -113,8 +113,9 @@ def paged_attention_forward(
     softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention function signature: query [1, heads, T, d], key [1, kv_heads, T, d] and value
-    [1, kv_heads, T, dv] of the forward's new tokens -> [1, T, heads, dv]. Other keyword arguments (a DSA
-    indexer's `indices`, flash-attention's) are not used: the attention is dense, as transformers' SDPA."""
+    [1, kv_heads, T, dv] of the forward's new tokens -> [1, T, heads, dv]. In a DSA model's forward the keys and
+    values are the rows' whole histories, with the forward's history mask and each query's top-k `indices`
+    (`dsa.sparse_attention`). Other keyword arguments (the positions, flash-attention's) are not used."""
     active = _ACTIVE.get()
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
     if isinstance(active, _Probe):
@@ -352,8 +353,8 @@ class GenericTarget(PagedTarget):
         extra: dict[str, Any] = {}
         if isinstance(self.layout, DSALayout):  # its layers read their history from the pages themselves
             history, mask = history_mask(g.table, [s for _, s, _ in rows], lengths, self.kv_block_size, self.device)
-            cache = PagedLatents(self.k_cache, self.index_keys, self.latent_rank, write, history)
-            extra = dict(cache=cache, attention_mask={"indexed_attention": mask})
+            latents = PagedLatents(self.k_cache, self.index_keys, self.latent_rank, write, history)
+            extra = dict(cache=latents, attention_mask={"indexed_attention": mask})
         active = _Forward(self, g, write, flat, sparse=bool(extra))
         with using_paged_attention(self.model, active):
             out = self.model(input_ids=ids, position_ids=pos, use_cache=False, output_hidden_states=want_hidden,

@@ -25,6 +25,7 @@ import torch
 from dflash_core.cli_help import HelpFormatter
 from dflash_core.train.data import UsageError, read_rows
 from dflash_core.train.loop import train
+from dflash_core.train.traffic import is_traffic, read_traffic
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,9 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--data", required=True, type=Path,
         help="JSONL prompts: {'messages': [...]} (chat; a final assistant message is used as the response) or "
-             "{'prompt'|'text': str} (plain text; optional 'response'|'completion')",
+             "{'prompt'|'text': str} (plain text; optional 'response'|'completion'); or a folder of traffic recorded "
+             "by dflash-serve --record-traffic (its outputs are the responses)",
     )
     g.add_argument("--output", required=True, type=Path, help="output folder for the draft (config.json + weights)")
+    g.add_argument("--heldout-fraction", type=float, default=0.1,
+                   help="recorded traffic (--data FOLDER): the share of requests, chosen by id, kept out of training "
+                        "and written to OUTPUT/heldout.jsonl")
     g.add_argument("--regenerate", action="store_true", help="let the target regenerate responses the data has")
     g.add_argument("--max-samples", type=int, default=None, help="use at most this many rows of --data (default: all)")
     g.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are cut from the left")
@@ -51,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "bf16 for a sequence with values beyond fp16's range) "
                         "instead of running the target in every step")
     g = p.add_argument_group("draft architecture")
+    g.add_argument("--init-draft", default=None,
+                   help="continue training this draft folder (its config decides the architecture, block size, "
+                        "target layers and mask token) instead of a new random draft (default: none)")
     g.add_argument("--block-size", type=int, default=16, help="block size B (>= 2)")
     g.add_argument("--num-layers", type=int, default=1, help="draft decoder layers")
     g.add_argument("--intermediate-size", type=int, default=None,
@@ -82,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-data", type=Path, default=None,
                    help="held-out JSONL prompts: after training, measure the real acceptance length with the engine "
                         "(default: none, no evaluation)")
+    g.add_argument("--eval-heldout", action="store_true",
+                   help="recorded traffic: evaluate on the held-out slice (OUTPUT/heldout.jsonl) after training")
     g.add_argument("--eval-n", type=int, default=32, help="held-out prompts to use")
     g.add_argument("--eval-max-new-tokens", type=int, default=256, help="tokens per held-out prompt")
     g.add_argument("--eval-speedup", action="store_true",
@@ -128,8 +138,16 @@ def validate_args(args: argparse.Namespace) -> None:
         raise UsageError("--gamma must be positive")
     if not Path(args.target).exists() and (args.target.startswith((".", "/", "~")) or args.target.count("/") != 1):
         raise UsageError(f"target {args.target!r} is neither a local folder nor a hub id (owner/name)")
-    if not args.data.is_file():
+    if not args.data.is_file() and not is_traffic(args.data):
         raise UsageError(f"data file {args.data} does not exist")
+    if is_traffic(args.data) and args.regenerate:
+        raise UsageError("--regenerate: recorded traffic holds the target's own outputs, nothing to regenerate")
+    if not 0 <= args.heldout_fraction < 1:
+        raise UsageError(f"--heldout-fraction must be in [0, 1) (got {args.heldout_fraction})")
+    if args.eval_heldout and (not is_traffic(args.data) or args.heldout_fraction == 0 or args.eval_data):
+        raise UsageError("--eval-heldout needs recorded traffic (--data FOLDER), a held-out slice and no --eval-data")
+    if args.init_draft is not None and not Path(args.init_draft).expanduser().is_dir():
+        raise UsageError(f"--init-draft {args.init_draft}: no such draft folder")
     if args.eval_data is not None and not args.eval_data.is_file():
         raise UsageError(f"eval data file {args.eval_data} does not exist")
 
@@ -156,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         validate_args(args)
         if args.threads:
             torch.set_num_threads(args.threads)
-        rows = read_rows(args.data, args.max_samples)
+        rows = read_traffic(args.data, args.max_samples) if is_traffic(args.data) else read_rows(args.data,
+                                                                                                   args.max_samples)
         model, tok = load_target_and_tokenizer(args)
         created = check_output(args.output, args.resume, args.overwrite)
         try:

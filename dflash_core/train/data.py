@@ -36,7 +36,8 @@ def read_rows(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
 
 
 def encode_rows(rows: list[dict[str, Any]], tok: Any, regenerate: bool, max_prompt: int) -> list[Example]:
-    """Tokenize prompts (chat template for `messages`) and any given responses (ending in EOS).
+    """Tokenize prompts (chat template for `messages`) and any given responses (ending in EOS); a recorded request
+    (`prompt_token_ids`, `output_token_ids`: `dflash_core.train.traffic`) is taken as its token ids.
 
     `messages` rows need a tokenizer with a chat template (`dflash_core.chat`'s one policy): without one they
     are refused with a UsageError instead of being rendered in an invented format."""
@@ -44,6 +45,10 @@ def encode_rows(rows: list[dict[str, Any]], tok: Any, regenerate: bool, max_prom
     eos = tok.eos_token_id  # a given response ends in the tokenizer's own EOS, as its chat turns do
     for n, row in enumerate(rows, 1):
         response_text = None
+        if "prompt_token_ids" in row:  # a recorded request (`--record-traffic`): the target's own output
+            recorded = None if regenerate else list(row.get("output_token_ids") or [])
+            out.append(Example(list(row["prompt_token_ids"])[-max_prompt:], recorded))
+            continue
         if "messages" in row:
             msgs = row["messages"]
             if not isinstance(msgs, list) or not msgs:

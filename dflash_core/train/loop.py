@@ -22,12 +22,15 @@ from tqdm import tqdm
 
 from dflash_core.chat import eos_token_ids
 from dflash_core.draft import DFlashDraft
+from dflash_core.draft_formats import read_draft_config
+from dflash_core.jsonl import write_jsonl
 from dflash_core.train.batches import block_loss, context_features, make_block_batch
 from dflash_core.train.checkpoint import CHECKPOINT_DIR, DATA_FILE, save_checkpoint, save_final, share_modes
 from dflash_core.train.data import Example, UsageError, encode_rows
 from dflash_core.train.evaluation import evaluate
 from dflash_core.train.responses import generate_responses
 from dflash_core.train.target import draft_config, layer_ids_for, resolve_mask_token, target_layers
+from dflash_core.train.traffic import HELDOUT_FILE, check_init_draft, is_traffic, split_heldout
 
 
 def training_examples(
@@ -103,18 +106,32 @@ def train(args: argparse.Namespace, rows: list[dict[str, Any]], model: Any, tok:
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     L = target_layers(model)
-    mask_id, note = resolve_mask_token(tok, model, args.mask_token_id)
-    if note:
-        print(f"dflash-train: {note}", file=sys.stderr)
-        if "resized" in note:
-            model.save_pretrained(out / "target_resized")
-            tok.save_pretrained(out / "target_resized")
-            share_modes(out / "target_resized")
-    layer_ids = layer_ids_for(args.target_layer_ids, L, args.num_layers)
-    cfg, notes = draft_config(model, num_layers=args.num_layers, intermediate_size=args.intermediate_size,
-                              block_size=args.block_size, mask_id=mask_id, layer_ids=layer_ids)
-    for line in notes:
-        print(f"dflash-train: {line}", file=sys.stderr)
+    if is_traffic(args.data):
+        rows, heldout = split_heldout(rows, args.heldout_fraction)
+        write_jsonl(out / HELDOUT_FILE, heldout)
+        print(f"dflash-train: recorded traffic: {len(rows)} requests to train on, {len(heldout)} held out "
+              f"({out / HELDOUT_FILE})", flush=True)
+    init: DFlashDraft | None = None
+    if args.init_draft is not None:  # its config decides: architecture, block, target layers, mask token
+        cfg = read_draft_config(args.init_draft)
+        check_init_draft(cfg, model, L)
+        init = DFlashDraft.from_folder(args.init_draft, device=args.device)
+        mask_id, layer_ids, args.block_size = cfg.mask_token_id, list(cfg.target_layer_ids), cfg.block_size
+        print(f"dflash-train: continuing {args.init_draft} (block size {cfg.block_size}, "
+              f"{cfg.num_hidden_layers} layers)", file=sys.stderr)
+    else:
+        mask_id, note = resolve_mask_token(tok, model, args.mask_token_id)
+        if note:
+            print(f"dflash-train: {note}", file=sys.stderr)
+            if "resized" in note:
+                model.save_pretrained(out / "target_resized")
+                tok.save_pretrained(out / "target_resized")
+                share_modes(out / "target_resized")
+        layer_ids = layer_ids_for(args.target_layer_ids, L, args.num_layers)
+        cfg, notes = draft_config(model, num_layers=args.num_layers, intermediate_size=args.intermediate_size,
+                                  block_size=args.block_size, mask_id=mask_id, layer_ids=layer_ids)
+        for line in notes:
+            print(f"dflash-train: {line}", file=sys.stderr)
     eos_ids = eos_token_ids(model, tok)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
 
@@ -131,10 +148,13 @@ def train(args: argparse.Namespace, rows: list[dict[str, Any]], model: Any, tok:
     cache = cache_features(model, seqs, layer_ids, pad_id, device) if args.cache_hidden else None
 
     torch.manual_seed(args.seed)
-    draft = DFlashDraft(cfg).to(device)
-    for mod in draft.modules():
-        if isinstance(mod, torch.nn.Linear):
-            torch.nn.init.normal_(mod.weight, std=0.02)
+    if init is not None:
+        draft = init.to(device)
+    else:
+        draft = DFlashDraft(cfg).to(device)
+        for mod in draft.modules():
+            if isinstance(mod, torch.nn.Linear):
+                torch.nn.init.normal_(mod.weight, std=0.02)
     draft.train()
     decay = [p for p in draft.parameters() if p.ndim >= 2]
     no_decay = [p for p in draft.parameters() if p.ndim < 2]
@@ -197,7 +217,7 @@ def train(args: argparse.Namespace, rows: list[dict[str, Any]], model: Any, tok:
     summary: dict[str, Any] = {"steps": args.steps, "train_seconds": time.time() - t0, "final_loss": ema_loss,
                                "tau_estimate": ema_tau, "sequences": len(seqs), "response_tokens": n_resp}
     print(f"dflash-train: saved draft to {out} (loss {ema_loss:.3f}, estimated tau {ema_tau:.2f})", flush=True)
-    if args.eval_data is not None:
+    if args.eval_data is not None or args.eval_heldout:
         held_out_evaluation(args, out, summary)
     (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return 0
@@ -207,8 +227,8 @@ def held_out_evaluation(args: argparse.Namespace, out: Path, summary: dict[str, 
     """Evaluate the saved draft on --eval-data into `summary["eval"]` (skipped, with a note, without the engine)."""
     target_path = out / "target_resized" if (out / "target_resized").exists() else args.target
     try:
-        res = evaluate(target_path, out, args.eval_data, n=args.eval_n, max_new_tokens=args.eval_max_new_tokens,
-                       speedup=args.eval_speedup, device=args.device)
+        res = evaluate(target_path, out, args.eval_data or out / HELDOUT_FILE, n=args.eval_n,
+                       max_new_tokens=args.eval_max_new_tokens, speedup=args.eval_speedup, device=args.device)
     except ImportError as exc:
         print(f"dflash-train: skipping held-out evaluation (engine unavailable: {exc})", file=sys.stderr)
         return

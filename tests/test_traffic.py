@@ -1,0 +1,204 @@
+"""`--record-traffic`: finished requests as JSON lines (prompt and output token ids, acceptance), never those that
+say `"store": false`, in size-rotated shards written off the worker thread; a failed write stops recording with one
+log line and serving goes on. End to end: a real server records what it answered."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import logging
+from pathlib import Path
+
+import openai
+import pytest
+
+from server.metrics import ServerMetrics
+from server.traffic import TrafficRecord, TrafficRecorder, shard_paths
+from server.worker import Worker
+from tests.fake_engine import Script, demo_tokenizer, wait_until
+from tests.server_fixtures import SCRIPT_TEXT, make_scripted_pair, start_server
+from tests.test_worker_fake import events, handle, new_engine, run
+
+
+def record(i: int, n_output: int = 20) -> TrafficRecord:
+    return TrafficRecord(id=f"chatcmpl-{i}-0", created=1.0, model="m", prompt_token_ids=list(range(i, i + 10)),
+                         output_token_ids=list(range(n_output)), finish_reason="stop", num_drafts=2,
+                         num_draft_tokens=30, num_accepted_tokens=9, mean_acceptance_length=5.5)
+
+
+def read_records(folder: Path) -> list[dict]:
+    return [json.loads(line) for p in shard_paths(folder) for line in p.read_text().splitlines()]
+
+
+def test_records_rotate_by_size_and_close_writes_what_is_queued(tmp_path: Path) -> None:
+    recorder = TrafficRecorder(tmp_path / "traffic", max_bytes=1024)
+    for i in range(40):
+        recorder.record(record(i))
+    recorder.close()
+    shards = shard_paths(tmp_path / "traffic")
+    assert len(shards) > 5 and all(p.stat().st_size <= 1024 for p in shards)
+    rows = read_records(tmp_path / "traffic")
+    assert [r["id"] for r in rows] == [f"chatcmpl-{i}-0" for i in range(40)]
+    assert rows[3] == {**record(3).__dict__}
+    assert recorder.written == 40 and not recorder.recording
+    recorder.record(record(99))  # after close: dropped, no error
+    assert len(read_records(tmp_path / "traffic")) == 40
+
+
+def test_a_failed_write_stops_recording_with_one_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    recorder = TrafficRecorder(tmp_path, max_bytes=1 << 20)
+
+    def full_disk(line: str) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    recorder._write = full_disk  # type: ignore[method-assign]  # the disk fills up
+    with caplog.at_level(logging.ERROR, logger="dflash.traffic"):
+        for i in range(5):
+            recorder.record(record(i))
+        wait_until(lambda: not recorder.recording, what="recording to stop")
+        recorder.record(record(9))  # returns at once: recording is off
+        recorder.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "dflash.traffic"]
+    assert len(lines) == 1 and "No space left on device" in lines[0] and "serving goes on" in lines[0]
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.records: list[TrafficRecord] = []
+
+    def record(self, rec: TrafficRecord) -> None:
+        self.records.append(rec)
+
+
+def test_the_worker_records_finished_requests_unless_store_is_false() -> None:
+    engine = new_engine(block_size=4)
+    engine.script("kept", Script([[10], [11, 12, 13], "tail"], finish_reason="stop"))
+    engine.script("private", Script(["not recorded"]))
+    engine.script("gone", Script(["x", "y" * 40]))
+    sink = ListSink()
+
+    async def test() -> None:
+        metrics = ServerMetrics(block_size=4, target="fake", draft="fake", device="cpu", backend="fake")
+        worker = Worker(engine, demo_tokenizer(), metrics, max_running=4, max_waiting=4, recorder=sink,
+                        model_name="served")
+        worker.start()
+        try:
+            kept, private, cut = handle("kept"), handle("private", index=1), handle("gone", max_tokens=3, index=2)
+            kept.record = cut.record = True
+            private.record = False  # "store": false
+            worker.submit([kept, private, cut])
+            got = {h.request_id: await events(h) for h in (kept, private, cut)}
+            await asyncio.to_thread(wait_until, lambda: len(engine.released) == 3, what="all released")
+        finally:
+            await asyncio.to_thread(worker.stop)
+        by_id = {r.id: r for r in sink.records}
+        assert set(by_id) == {kept.request_id, cut.request_id}
+        rec = by_id[kept.request_id]
+        tok = demo_tokenizer()
+        assert rec.model == "served" and rec.prompt_token_ids == kept.prompt_token_ids
+        assert tok.decode(rec.output_token_ids) == "".join(ev.text for ev in got[kept.request_id])
+        summary = engine.final_stats[engine.request_id("kept")].summary()
+        assert rec.finish_reason == "stop" and rec.num_drafts == summary.num_drafts > 0
+        assert rec.num_accepted_tokens == summary.num_accepted_tokens
+        assert by_id[cut.request_id].finish_reason == "length" and len(by_id[cut.request_id].output_token_ids) == 3
+
+    run(test)
+
+
+def test_a_server_records_what_it_answered(tmp_path: Path) -> None:
+    target, draft = make_scripted_pair(tmp_path)
+    folder = tmp_path / "traffic"
+    server = start_server(["--target", str(target), "--draft", str(draft), "--device", "cpu",
+                           "--served-model-name", "tiny", "--record-traffic", str(folder)], tmp_path / "log")
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=60, max_retries=0)
+        kept = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                              max_tokens=32, temperature=0)
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "secret"}],
+                                       max_tokens=8, temperature=0, store=False)
+    finally:
+        server.terminate()
+    assert "recording traffic" in server.log_tail()
+    rows = read_records(folder)
+    assert len(rows) == 1, rows  # the store: false request is not there
+    row = rows[0]
+    assert row["id"] == f"{kept.id}-0" and row["model"] == "tiny" and row["finish_reason"] == "stop"
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target))
+    assert kept.choices[0].message.content == SCRIPT_TEXT
+    assert tok.decode(row["output_token_ids"], skip_special_tokens=True) == SCRIPT_TEXT
+    assert tok.decode(row["prompt_token_ids"]).endswith("assistant\n")
+    assert row["num_drafts"] == kept.model_extra["dflash"]["num_drafts"] > 0
+
+
+def test_an_unwritable_folder_stops_start_up_in_one_line(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    server = start_server(["--device", "cpu", "--record-traffic", str(blocker / "sub")], tmp_path / "log")
+    assert server.proc.wait(timeout=60) != 0
+    assert "--record-traffic" in server.log_tail() and "Traceback" not in server.log_tail()
+
+
+def test_dflash_train_continues_a_draft_on_recorded_traffic(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`dflash-train --init-draft DRAFT --data FOLDER`: the recorded outputs are the responses (nothing is
+    generated), a slice chosen by request id is held out and written to OUTPUT/heldout.jsonl, and the draft keeps
+    its architecture, block size, target layers and mask token while its weights move; the result serves
+    losslessly. A draft that does not fit the target is refused in one line."""
+    import torch
+    from safetensors.torch import load_file
+
+    from dflash_core import train
+    from dflash_core.config import EngineConfig
+    from dflash_core.draft_formats import read_draft_config
+    from dflash_core.generate import run_to_completion
+    from dflash_core.loading import load_models
+    from dflash_core.sampling import SamplingParams
+    from dflash_core.train.traffic import held_out
+    from tests.helpers import make_draft, make_tiny_pair
+    from tests.test_engine import hf_greedy
+
+    target, draft = make_tiny_pair(tmp_path, block_size=8)
+    model = load_models(EngineConfig(str(target), None, device="cpu")).engine.target.model
+    folder = tmp_path / "traffic"
+    recorder = TrafficRecorder(folder, max_bytes=4096)  # several shards
+    g = torch.Generator().manual_seed(0)
+    for i in range(24):
+        prompt = torch.randint(4, 300, (int(torch.randint(3, 30, (1,), generator=g)),), generator=g).tolist()
+        recorder.record(TrafficRecord(id=f"chatcmpl-{i}-0", created=0.0, model="tiny", prompt_token_ids=prompt,
+                                      output_token_ids=hf_greedy(model, prompt, 24), finish_reason="length",
+                                      num_drafts=1, num_draft_tokens=7, num_accepted_tokens=2,
+                                      mean_acceptance_length=3.0))
+    recorder.close()
+    assert len(shard_paths(folder)) > 1
+    out = tmp_path / "continued"
+    rc = train.main(["--target", str(target), "--data", str(folder), "--init-draft", str(draft), "--output", str(out),
+                     "--heldout-fraction", "0.25", "--steps", "4", "--batch-size", "4", "--anchors", "2",
+                     "--save-every", "0", "--threads", "1", "--lr", "1e-2"])
+    err = capsys.readouterr()
+    assert rc == 0, err.err
+    heldout = [json.loads(line)["id"] for line in (out / "heldout.jsonl").read_text().splitlines()]
+    assert heldout == [f"chatcmpl-{i}-0" for i in range(24) if held_out(f"chatcmpl-{i}-0", 0.25)] and heldout
+    assert f"{24 - len(heldout)} requests to train on, {len(heldout)} held out" in err.out
+    before, after = read_draft_config(draft), read_draft_config(out)
+    assert (after.block_size, after.target_layer_ids, after.mask_token_id, after.num_hidden_layers) == (
+        before.block_size, before.target_layer_ids, before.mask_token_id, before.num_hidden_layers)
+    w0, w1 = load_file(str(draft / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert w0.keys() == w1.keys() and any(not torch.equal(w0[k], w1[k]) for k in w0)
+    spec = load_models(EngineConfig(str(target), str(out), device="cpu", max_running_requests=2))
+    plain = load_models(EngineConfig(str(target), None, speculative=False, device="cpu", max_running_requests=2))
+    prompts = [[5, 6, 7, 8], list(range(40, 70))]
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    assert ([r.token_ids for r in run_to_completion(spec.engine, prompts, params)]
+            == [r.token_ids for r in run_to_completion(plain.engine, prompts, params)])
+
+    other = make_draft(tmp_path / "wide-draft", vocab_size=500)  # another vocabulary
+    assert other is not None
+    rc = train.main(["--target", str(target), "--data", str(folder), "--init-draft", str(tmp_path / "wide-draft"),
+                     "--output", str(tmp_path / "refused"), "--steps", "1"])
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert rc == 2 and last.startswith("dflash-train: error: --init-draft:") and "vocab_size" in last
+    assert "Traceback" not in err and not (tmp_path / "refused").exists()
