@@ -144,9 +144,10 @@ def test_an_unwritable_folder_stops_start_up_in_one_line(tmp_path: Path) -> None
 
 def test_dflash_train_continues_a_draft_on_recorded_traffic(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """`dflash-train --init-draft DRAFT --data FOLDER`: the recorded outputs are the responses (nothing is
-    generated), a slice chosen by request id is held out and written to OUTPUT/heldout.jsonl, and the draft keeps
-    its architecture, block size, target layers and mask token while its weights move; the result serves
-    losslessly. A draft that does not fit the target is refused in one line."""
+    generated), a slice chosen by request id is held out and written to OUTPUT/heldout.jsonl, the draft keeps its
+    architecture, block size, target layers and mask token while its weights move, and the gate measures old and
+    new drafts on the held-out slice (OUTPUT/gate.json); the result serves losslessly. A draft that does not fit
+    the target is refused in one line."""
     import torch
     from safetensors.torch import load_file
 
@@ -176,12 +177,21 @@ def test_dflash_train_continues_a_draft_on_recorded_traffic(tmp_path: Path, caps
     out = tmp_path / "continued"
     rc = train.main(["--target", str(target), "--data", str(folder), "--init-draft", str(draft), "--output", str(out),
                      "--heldout-fraction", "0.25", "--steps", "4", "--batch-size", "4", "--anchors", "2",
-                     "--save-every", "0", "--threads", "1", "--lr", "1e-2"])
+                     "--save-every", "0", "--threads", "1", "--lr", "1e-2", "--eval-heldout", "--eval-n", "3",
+                     "--eval-max-new-tokens", "8", "--gate-margin", "0.1"])
     err = capsys.readouterr()
     assert rc == 0, err.err
     heldout = [json.loads(line)["id"] for line in (out / "heldout.jsonl").read_text().splitlines()]
     assert heldout == [f"chatcmpl-{i}-0" for i in range(24) if held_out(f"chatcmpl-{i}-0", 0.25)] and heldout
     assert f"{24 - len(heldout)} requests to train on, {len(heldout)} held out" in err.out
+    # the gate: old and new drafts on the same held-out prompts, the new promoted only 10% better
+    report = json.loads((out / "gate.json").read_text())
+    old_len, new_len = report["old"]["acceptance_length"], report["new"]["acceptance_length"]
+    assert report["old"]["prompts"] == report["new"]["prompts"] == min(3, len(heldout)) and report["margin"] == 0.1
+    assert report["promote"] == (new_len >= 1.1 * old_len) and report["old"]["draft"] == str(draft)
+    assert f"gate: held-out acceptance length {old_len:.2f} (old) -> {new_len:.2f} (new)" in err.out
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["gate"] == report and summary["eval"]["acceptance_length"] == new_len
     before, after = read_draft_config(draft), read_draft_config(out)
     assert (after.block_size, after.target_layer_ids, after.mask_token_id, after.num_hidden_layers) == (
         before.block_size, before.target_layer_ids, before.mask_token_id, before.num_hidden_layers)

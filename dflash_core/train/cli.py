@@ -91,7 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="held-out JSONL prompts: after training, measure the real acceptance length with the engine "
                         "(default: none, no evaluation)")
     g.add_argument("--eval-heldout", action="store_true",
-                   help="recorded traffic: evaluate on the held-out slice (OUTPUT/heldout.jsonl) after training")
+                   help="recorded traffic: evaluate on the held-out slice (OUTPUT/heldout.jsonl) after training; "
+                        "with --init-draft the old draft too, and the comparison goes to OUTPUT/gate.json")
+    g.add_argument("--gate-margin", type=float, default=0.05,
+                   help="with --init-draft and --eval-heldout: the new draft is promoted only when its held-out "
+                        "acceptance length beats the old one's by this share")
     g.add_argument("--eval-n", type=int, default=32, help="held-out prompts to use")
     g.add_argument("--eval-max-new-tokens", type=int, default=256, help="tokens per held-out prompt")
     g.add_argument("--eval-speedup", action="store_true",
@@ -146,6 +150,8 @@ def validate_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--heldout-fraction must be in [0, 1) (got {args.heldout_fraction})")
     if args.eval_heldout and (not is_traffic(args.data) or args.heldout_fraction == 0 or args.eval_data):
         raise UsageError("--eval-heldout needs recorded traffic (--data FOLDER), a held-out slice and no --eval-data")
+    if args.gate_margin < 0:
+        raise UsageError(f"--gate-margin must be >= 0 (got {args.gate_margin})")
     if args.init_draft is not None and not Path(args.init_draft).expanduser().is_dir():
         raise UsageError(f"--init-draft {args.init_draft}: no such draft folder")
     if args.eval_data is not None and not args.eval_data.is_file():

@@ -65,6 +65,8 @@ def evaluate(
         "acceptance_length_median_per_prompt": statistics.median(per_prompt),
         "distinct_4gram_median": statistics.median(ratios), "distinct_4gram_min": min(ratios),
         "dflash_seconds": t_spec, "dflash_tokens_per_s": tokens / t_spec,
+        # the engine's own estimate over plain steps of the same batch, from its measured step costs (None unmeasured)
+        "estimated_speedup": spec.engine.estimated_speedup(),
         "max_new_tokens": max_new_tokens, "device": spec.device, "threads": torch.get_num_threads(),
     }
     if speedup:

@@ -219,8 +219,32 @@ def train(args: argparse.Namespace, rows: list[dict[str, Any]], model: Any, tok:
     print(f"dflash-train: saved draft to {out} (loss {ema_loss:.3f}, estimated tau {ema_tau:.2f})", flush=True)
     if args.eval_data is not None or args.eval_heldout:
         held_out_evaluation(args, out, summary)
+        if args.init_draft is not None and args.eval_heldout and "eval" in summary:
+            summary["gate"] = gate(args, out, summary["eval"])
     (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return 0
+
+
+def gate(args: argparse.Namespace, out: Path, new: dict[str, Any]) -> dict[str, Any]:
+    """The old draft (`--init-draft`) measured on the same held-out slice as the new one: the new draft is promoted
+    only when its acceptance length beats the old one's by `--gate-margin`. Written to OUTPUT/gate.json."""
+    target_path = out / "target_resized" if (out / "target_resized").exists() else args.target
+    old = evaluate(target_path, args.init_draft, out / HELDOUT_FILE, n=args.eval_n,
+                   max_new_tokens=args.eval_max_new_tokens, speedup=args.eval_speedup, device=args.device)
+    keys = ("acceptance_length", "acceptance_length_median_per_prompt", "estimated_speedup", "speedup",
+            "dflash_tokens_per_s", "prompts", "generated_tokens")
+    report = {
+        "heldout": str(out / HELDOUT_FILE), "margin": args.gate_margin,
+        "old": {"draft": str(args.init_draft), **{k: old[k] for k in keys if k in old}},
+        "new": {"draft": str(out), **{k: new[k] for k in keys if k in new}},
+        "promote": new["acceptance_length"] >= old["acceptance_length"] * (1 + args.gate_margin),
+    }
+    (out / "gate.json").write_text(json.dumps(report, indent=2) + "\n")
+    verdict = "promote the new draft" if report["promote"] else f"keep {args.init_draft}"
+    print(f"dflash-train: gate: held-out acceptance length {old['acceptance_length']:.2f} (old) -> "
+          f"{new['acceptance_length']:.2f} (new), margin {args.gate_margin:.0%}: {verdict} ({out / 'gate.json'})",
+          flush=True)
+    return report
 
 
 def held_out_evaluation(args: argparse.Namespace, out: Path, summary: dict[str, Any]) -> None:
