@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Protocol
 
+from dflash_core.stats import SpecSummary
+
 log = logging.getLogger("dflash.traffic")
 
 SHARD_PREFIX = "traffic-"
@@ -42,6 +44,15 @@ class TrafficRecord:
     num_draft_tokens: int
     num_accepted_tokens: int
     mean_acceptance_length: float
+
+
+def finished(request_id: str, model: str, prompt: list[int], output: list[int], reason: str,
+             spec: SpecSummary) -> TrafficRecord:
+    """The record of a request that finished with `reason` ("stop" or "length")."""
+    return TrafficRecord(id=request_id, created=time.time(), model=model, prompt_token_ids=list(prompt),
+                         output_token_ids=list(output), finish_reason=reason, num_drafts=spec.num_drafts,
+                         num_draft_tokens=spec.num_draft_tokens, num_accepted_tokens=spec.num_accepted_tokens,
+                         mean_acceptance_length=spec.mean_acceptance_length)
 
 
 class TrafficSink(Protocol):
@@ -86,7 +97,7 @@ class TrafficRecorder:
         return not self._stopped.is_set()
 
     def record(self, rec: TrafficRecord) -> None:
-        """Queue `rec` for the writer; never blocks (a full queue drops it, said once)."""
+        """Queue `rec` for the writer; never blocks nor raises (a full queue drops it, said once)."""
         if self._stopped.is_set():
             return
         try:

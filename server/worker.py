@@ -26,7 +26,7 @@ from dflash_core.detokenize import OutputText
 from dflash_core.stats import SpecSummary
 from server.handoff import Delivery, post_all
 from server.serving_engine import ServingEngine
-from server.traffic import TrafficRecord, TrafficSink
+from server.traffic import TrafficSink, finished
 
 if TYPE_CHECKING:
     from dflash_core.outputs import StepOutput, TokenLogprob
@@ -420,20 +420,10 @@ class Worker:
         self._release_capacity()
         self._post(r.handle, ev)
         self._observe_finished(r, reason, now, ev.spec)
-        if self._recorder is not None and r.handle.record and reason in ("stop", "length"):
-            self._record(r, reason, ev.spec)
-
-    def _record(self, r: _Request, reason: str, spec: SpecSummary) -> None:
-        """Hand the finished request to the traffic recorder (it queues it: no file work on this thread)."""
-        h = r.handle
-        try:
-            self._recorder.record(TrafficRecord(  # type: ignore[union-attr]
-                id=h.request_id, created=time.time(), model=self._model_name,
-                prompt_token_ids=list(h.prompt_token_ids), output_token_ids=r.output_ids, finish_reason=reason,
-                num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
-                num_accepted_tokens=spec.num_accepted_tokens, mean_acceptance_length=spec.mean_acceptance_length))
-        except Exception:
-            log.exception("recording request %s failed", h.request_id)
+        if self._recorder is not None and r.handle.record and reason in ("stop", "length"):  # it only queues it
+            h = r.handle
+            self._recorder.record(finished(h.request_id, self._model_name, h.prompt_token_ids, r.output_ids, reason,
+                                           ev.spec))
 
     def _fail(self, r: _Request, error: WorkerError) -> None:
         """Fail one request alone."""

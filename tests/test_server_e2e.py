@@ -53,6 +53,7 @@ class Servers:
     ar: ServerProcess
     tokenizer: Any
     gate: Path  # the spec server's engine gate (tests.engine_gate): absent, the engine runs freely
+    traffic: Path  # the spec server's --record-traffic folder
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
 
     tmp = tmp_path_factory.mktemp("server_e2e")
     target, draft = make_scripted_pair(tmp)
-    spec_args = f"--target {target} --draft {draft} --served-model-name {SERVED_NAME} --api-key {API_KEY}"
+    spec_args = (f"--target {target} --draft {draft} --served-model-name {SERVED_NAME} --api-key {API_KEY} "
+                 f"--record-traffic {tmp / 'traffic'}")
     gate = tmp / "spec.gate"
     # fixed widths: the tests count drafts, accepted tokens and chunks per step; the adaptive policy, measuring a
     # loaded machine, may stop drafting
@@ -81,7 +83,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     try:
         spec.wait_ready()
         ar.wait_ready()
-        yield Servers(spec, ar, AutoTokenizer.from_pretrained(str(target)), gate)
+        yield Servers(spec, ar, AutoTokenizer.from_pretrained(str(target)), gate, tmp / "traffic")
     finally:
         spec.terminate()
         ar.terminate()
@@ -767,6 +769,29 @@ def test_full_queue_answers_429(servers: Servers) -> None:
     assert ok.usage.completion_tokens == 3
 
 
+def test_event_loop_and_worker_share_one_core_and_helpers_keep_every_core(servers: Servers) -> None:
+    """`--one-core`, the default on a CPU device with one torch thread: the event loop's thread (the main thread)
+    is on the core the log names, with the worker thread beside it; a helper process started afterwards (a body
+    with many values is parsed in one) and the tokenization pool's threads run on every core the server had."""
+    from server import affinity
+
+    if not affinity.supported():
+        pytest.skip("thread affinity needs Linux and more than one core")
+    server = servers.ar
+    logged = [line for line in server.log.read_text().splitlines() if "event loop and worker thread on core" in line]
+    assert len(logged) == 1, server.log_tail()
+    core = int(logged[0].split("on core ")[1].split()[0])
+    many_values = {"model": SERVED_NAME, "messages": CHAT, "max_tokens": 1, "stop": ["x"] * 3000}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=many_values, timeout=60)  # tokenized in the pool
+    assert r.status_code in (200, 400), r.text
+    cores = _threads_cores(server.proc.pid)
+    assert cores[server.proc.pid] == {core}, cores  # the main thread runs the event loop
+    assert sum(c == {core} for c in cores.values()) == 2, cores  # and the worker thread; pool threads do not
+    helpers = _children(server.proc.pid)
+    assert helpers, "a body with 3000 values is parsed in a helper process"
+    assert all(os.sched_getaffinity(h) == os.sched_getaffinity(0) != {core} for h in helpers)
+
+
 def test_sigterm_drains_in_flight_requests_and_exits_0(servers: Servers) -> None:
     server = servers.ar  # the last test to use it
     body = {
@@ -813,24 +838,31 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def test_event_loop_and_worker_share_one_core_and_helpers_keep_every_core(servers: Servers) -> None:
-    """`--one-core`, the default on a CPU device with one torch thread: the event loop's thread (the main thread)
-    is on the core the log names, with the worker thread beside it; a helper process started afterwards (a body
-    with many values is parsed in one) and the tokenization pool's threads run on every core the server had."""
-    from server import affinity
+def test_the_server_records_what_it_answered(servers: Servers) -> None:
+    """--record-traffic: the answered request's prompt and output token ids and acceptance, as one JSON line; a
+    request with "store": false is never written (records are written in order, so once the later one is there the
+    earlier one would be too)."""
+    from server.traffic import shard_paths
 
-    if not affinity.supported():
-        pytest.skip("thread affinity needs Linux and more than one core")
-    server = servers.ar
-    logged = [line for line in server.log.read_text().splitlines() if "event loop and worker thread on core" in line]
-    assert len(logged) == 1, server.log_tail()
-    core = int(logged[0].split("on core ")[1].split()[0])
-    many_values = {"model": SERVED_NAME, "messages": CHAT, "max_tokens": 1, "stop": ["x"] * 3000}
-    r = httpx.post(f"{server.url}/v1/chat/completions", json=many_values, timeout=60)  # tokenized in the pool
-    assert r.status_code in (200, 400), r.text
-    cores = _threads_cores(server.proc.pid)
-    assert cores[server.proc.pid] == {core}, cores  # the main thread runs the event loop
-    assert sum(c == {core} for c in cores.values()) == 2, cores  # and the worker thread; pool threads do not
-    helpers = _children(server.proc.pid)
-    assert helpers, "a body with 3000 values is parsed in a helper process"
-    assert all(os.sched_getaffinity(h) == os.sched_getaffinity(0) != {core} for h in helpers)
+    c = client(servers.spec)
+    c.chat.completions.create(model=SERVED_NAME, messages=[{"role": "user", "content": "keep this private"}],
+                              max_tokens=8, temperature=0, store=False)
+    kept = c.chat.completions.create(model=SERVED_NAME, messages=[{"role": "user", "content": "x"}],
+                                     max_tokens=32, temperature=0)
+
+    def rows() -> dict[str, dict[str, Any]]:
+        lines = [line for p in shard_paths(servers.traffic) for line in p.read_text().splitlines()]
+        return {r["id"]: r for r in map(json.loads, lines)}
+
+    deadline = time.monotonic() + 30
+    while f"{kept.id}-0" not in rows() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    row = rows()[f"{kept.id}-0"]
+    tok = servers.tokenizer
+    assert row["model"] == SERVED_NAME and row["finish_reason"] == "stop"
+    assert kept.choices[0].message.content == SCRIPT_TEXT
+    assert tok.decode(row["output_token_ids"], skip_special_tokens=True) == SCRIPT_TEXT
+    assert tok.decode(row["prompt_token_ids"]).endswith("assistant\n")
+    assert row["num_drafts"] == kept.model_extra["dflash"]["num_drafts"] > 0
+    private = [r for r in rows().values() if "private" in tok.decode(r["prompt_token_ids"])]
+    assert not private
