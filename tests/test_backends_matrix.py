@@ -176,13 +176,21 @@ def test_greedy_identical_with_prefix_cache_and_preemption(name, backend):
 
 
 
-def test_rope_that_reads_the_batch_is_refused_by_generic():
-    """LongRoPE (and dynamic NTK) picks its frequencies from a forward's largest position, so a request's output
-    would depend on what shares its forward: the generic backend refuses it in one line, auto falls back to hf."""
-    model = make_target(None, "phi3_longrope", seed=3)
-    with pytest.raises(ValueError, match="LongRoPE"):
-        load_target_runner(model, None, "generic", len(PROMPT_LENGTHS), MAX_LEN, 16)
-    assert load_target_runner(model, None, "auto", len(PROMPT_LENGTHS), MAX_LEN, 16).backend == "hf"
+def test_rope_that_reads_the_batch_is_refused_by_the_batched_runners():
+    """LongRoPE and dynamic NTK pick their frequencies from a forward's largest position, so a request's output
+    would depend on what shares its forward: the generic backend refuses them in one line (and native a Llama with
+    dynamic NTK), auto falls back to hf."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    dynamic = AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}))
+    for model, refused in ((make_target(None, "phi3_longrope", seed=3), ("generic",)),
+                           (dynamic, ("generic", "native"))):
+        for backend in refused:
+            with pytest.raises(ValueError, match="largest position"):
+                load_target_runner(model, None, backend, len(PROMPT_LENGTHS), MAX_LEN, 16)
+        assert load_target_runner(model, None, "auto", len(PROMPT_LENGTHS), MAX_LEN, 16).backend == "hf"
 
 
 @pytest.mark.parametrize("name", [*NATIVE, "gpt_oss", "gemma4", "deepseek_v3", "kimi_k25", "mistral", "glm_moe_dsa"])

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_core.attention import PagedAttention, prepare, write_kv
+from dflash_core.families import rope_reads_the_batch
 from dflash_core.kv.pool import DEFAULT_KV_BLOCK
 from dflash_core.runners.base import TargetOutput
 from dflash_core.runners.dsa import DSALayout, PagedLatents, dsa_layout, history_mask, sparse_attention
@@ -256,16 +257,6 @@ def probe_layout(model: nn.Module) -> KVLayout:
         raise ValueError(f"{layout.calls} attention calls in a forward of {layers} layers (a layer that is not "
                          f"attention keeps state the paged cache cannot roll back)")
     return layout
-
-
-def rope_reads_the_batch(cfg: Any) -> bool:
-    """Whether the model's rotary embedding picks its frequencies from the largest position of the whole forward
-    (transformers' dynamic NTK and LongRoPE types): a row's output would then depend on the other requests in its
-    forward and on how its own tokens are split into forwards."""
-    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    groups = list(params.values()) if params and all(isinstance(v, dict) for v in params.values()) else [params]
-    kinds = [str(g.get("rope_type", g.get("type", ""))) for g in groups]
-    return any("dynamic" in kind or kind == "longrope" for kind in kinds)
 
 
 def layout_of(model: nn.Module) -> KVLayout | DSALayout:

@@ -33,7 +33,7 @@ from torch import nn
 from dflash_core.attention import PagedAttention, prepare, write_kv
 from dflash_core.compat import rotary_positions
 from dflash_core.compile import StaticShapes
-from dflash_core.families import NATIVE_MODEL_TYPES
+from dflash_core.families import NATIVE_MODEL_TYPES, rope_reads_the_batch
 from dflash_core.kv.pool import DEFAULT_KV_BLOCK
 from dflash_core.layers import apply_rope
 from dflash_core.runners.base import TargetOutput
@@ -75,6 +75,8 @@ def supports(model: nn.Module, model_types: Sequence[str] = SUPPORTED_MODEL_TYPE
         return f"model_type {cfg.model_type!r} (native supports {', '.join(model_types)})"
     if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
         return "sliding-window attention"
+    if rope_reads_the_batch(cfg):  # batched rows would change each other's frequencies
+        return "a rotary embedding that picks its frequencies from the largest position of each forward"
     inner = getattr(model, "model", None)
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return "an unexpected module layout"
