@@ -51,6 +51,8 @@ SLOW_TESTS = {
     "test_logs.py::test_server_log_json_is_one_json_object_per_line": "a server process",
     "test_hybrid.py::test_dflash_serve_runs_a_hybrid_target_natively": "a server process",
     "test_server_hardening.py::test_megabytes_of_message_cost_neither_time_nor_memory": "a 7.65 MB message",
+    "test_traffic.py::test_dflash_train_continues_a_draft_on_recorded_traffic": "dflash-train runs and evaluations",
+    "test_traffic.py::test_an_unwritable_folder_stops_start_up_in_one_line": "a server process",
 }
 # ``core``: the engine's exactness on the hf, native and hybrid runners, the draft, compile and sampling, run by
 # CI's short job on the GPU host's software (``.ci/core_torch211.sh``: torch 2.11, transformers 5.17, Python 3.12);
