@@ -133,6 +133,12 @@ def check_pair(cfg: DraftConfig, target: TargetRunner) -> None:
         log.warning("draft was trained for %d target layers, target has %d", cfg.num_target_layers, target.num_layers)
 
 
+def max_positions(model: Any) -> int:
+    """The model's own longest context (its text config's: a multimodal checkpoint has none at the top; 4096 when
+    the config does not say)."""
+    return int(getattr(model.config.get_text_config(), "max_position_embeddings", 4096))
+
+
 def load_target(path: str | Path, device: torch.device, dtype: torch.dtype) -> Any:
     """A transformers causal LM in eval mode on `device`; a checkpoint whose config transformers maps only to an
     image-text-to-text model (Kimi K2.5) loads as that, and serves its text decoder."""
@@ -334,8 +340,8 @@ def memory_budget(
             draft_weights = sum(p.numel() for p in DFlashDraft(draft_cfg).parameters()) * nbytes
     weights += draft_weights
     slots = config.max_running_requests
-    text = model.config.get_text_config()  # a multimodal checkpoint keeps these in its text config
-    model_max = int(getattr(text, "max_position_embeddings", 4096))
+    text = model.config.get_text_config()  # a multimodal checkpoint keeps its vocabulary there
+    model_max = max_positions(model)
     if not choice.paged:
         if config.kv_cache_memory is not None or config.gpu_memory_utilization is not None:
             log.warning("the hf backend has no KV pool: --kv-cache-memory / --gpu-memory-utilization are not applied")
@@ -387,8 +393,7 @@ def make_target(
     runner = choice.runner
     if runner is HFTarget:
         return HFTarget(model, layer_ids)
-    model_max = int(getattr(model.config.get_text_config(), "max_position_embeddings", 4096))
-    max_len = (max_model_len or model_max) + block + 1
+    max_len = (max_model_len or max_positions(model)) + block + 1
     paging = dict(max_slots=max_slots, max_len=max_len, num_blocks=num_blocks, kv_block=kv_block)
     if runner is GenericTarget:
         if static is not None:

@@ -332,14 +332,12 @@ class GenericTarget(PagedTarget):
         if g.b == 1:
             flat, write, pos = None, g.write[0], g.pos
         else:
-            row_of = torch.repeat_interleave(torch.arange(g.b, device=self.device), g.lengths)
-            ends = g.lengths.cumsum(0)
-            col_of = torch.arange(sum(lengths), device=self.device) - (ends - g.lengths)[row_of]
+            row_of, col_of = self._flat(rows, g)
             flat, write, pos = (row_of, col_of), g.write[row_of, col_of], g.pos[row_of, col_of][None]
         ids = torch.tensor([[tok for t, _, _ in rows for tok in t]], device=self.device)
         keep: int | torch.Tensor = 0
         if last_only:
-            keep = torch.tensor(lengths, device=self.device).cumsum(0) - 1
+            keep = g.lengths.cumsum(0) - 1  # each row's last token
         want_hidden = features and bool(self.layer_ids)
         extra: dict[str, Any] = {}
         if isinstance(self.layout, DSALayout):  # its layers read their history from the pages themselves
@@ -354,12 +352,4 @@ class GenericTarget(PagedTarget):
         feat = None
         if want_hidden:  # transformers' hidden state i + 1 is target layer i's output (the last: after the norm)
             feat = torch.cat([out.hidden_states[i + 1][0] for i in self.layer_ids], dim=-1)
-        outs = []
-        first = 0
-        for r, (tokens, start, cache) in enumerate(rows):
-            m = len(tokens)
-            cache.length = start + m
-            row_logits = logits[r : r + 1] if last_only else logits[first : first + m]
-            outs.append(TargetOutput(row_logits, feat[first : first + m] if feat is not None else None))
-            first += m
-        return outs
+        return self._split_rows(rows, logits, feat, last_only)

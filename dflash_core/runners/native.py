@@ -278,28 +278,16 @@ class NativeTarget(PagedTarget):
     def _forward_ragged(self, rows: Rows, batch: Batch, features: bool, last_only: bool) -> list[TargetOutput]:
         """Rows of different lengths as one sequence of their real tokens: a verify step whose rows have different
         widths costs the sum of the widths, not rows x the widest."""
-        lengths = [len(t) for t, _, _ in rows]
         assert batch.lengths is not None
-        row_of = torch.repeat_interleave(torch.arange(batch.b, device=self.device), batch.lengths)
-        ends = batch.lengths.cumsum(0)
-        col_of = torch.arange(sum(lengths), device=self.device) - (ends - batch.lengths)[row_of]
+        row_of, col_of = self._flat(rows, batch)  # type: ignore[arg-type]  # a Batch has a Geometry's fields
         batch.flat = (row_of, col_of)
         batch.write = batch.write[row_of, col_of]  # the real tokens' rows only
         ids = torch.tensor([tok for t, _, _ in rows for tok in t], device=self.device)[None]
         h, feat = self._trunk(ids, batch, features)
         if last_only:
-            h = h[:, ends - 1]
+            h = h[:, batch.lengths.cumsum(0) - 1]
         logits = self.lm_head(h[0]).float()
-        outs = []
-        start_of = 0
-        for r, (tokens, start, cache) in enumerate(rows):
-            m = len(tokens)
-            cache.length = start + m
-            row_logits = logits[r : r + 1] if last_only else logits[start_of : start_of + m]
-            row_feat = feat[0, start_of : start_of + m] if feat is not None else None
-            outs.append(TargetOutput(row_logits, row_feat))
-            start_of += m
-        return outs
+        return self._split_rows(rows, logits, feat[0] if feat is not None else None, last_only)
 
     @torch.inference_mode()
     def warm_up(self) -> float:

@@ -18,7 +18,7 @@ import torch
 
 from dflash_core.attention import PagedAttention, kv_rows
 from dflash_core.kv.pool import blocks_for, slot_layout_blocks
-from dflash_core.runners.base import TargetRow, TargetRunner
+from dflash_core.runners.base import TargetOutput, TargetRow, TargetRunner
 
 Rows = Sequence[TargetRow | tuple[list[int], int, Any]]
 
@@ -143,3 +143,26 @@ class PagedTarget(TargetRunner):
         table = packed[:, 3:]
         attention = PagedAttention(table, pos, kvb, self.kv_rows_total, kv_len)
         return Geometry(b, n, packed[:, 1], pos, packed[:, 2], table, kv_rows(table, pos, kvb), attention)
+
+    def _flat(self, rows: Rows, g: Geometry) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each real token of `rows` (geometry `g`) as its (row, column) in the padded [b, n] layout, in order (the
+        token count from the host: no device sync)."""
+        row_of = torch.repeat_interleave(torch.arange(g.b, device=self.device), g.lengths)
+        starts = g.lengths.cumsum(0) - g.lengths
+        col_of = torch.arange(sum(len(t) for t, _, _ in rows), device=self.device) - starts[row_of]
+        return row_of, col_of
+
+    @staticmethod
+    def _split_rows(rows: Rows, logits: torch.Tensor, feat: torch.Tensor | None,
+                    last_only: bool) -> list[TargetOutput]:
+        """Each row's outputs of a forward over the rows' real tokens in order: logits [T, V] (last_only: [b, V]),
+        features [T, F]; each row's cache then holds its tokens."""
+        outs = []
+        first = 0
+        for r, (tokens, start, cache) in enumerate(rows):
+            m = len(tokens)
+            cache.length = start + m
+            row_logits = logits[r : r + 1] if last_only else logits[first : first + m]
+            outs.append(TargetOutput(row_logits, feat[first : first + m] if feat is not None else None))
+            first += m
+        return outs
