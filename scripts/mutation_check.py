@@ -148,9 +148,10 @@ MUTATIONS: tuple[Mutation, ...] = (
     m("prefill_chunk_skips_a_token", "dflash_core/scheduler.py", "Scheduler._chunk",
       "plan.prefill.append(Chunk(r, r.prefilled, r.prefill_tokens[r.prefilled : r.prefilled + n]))",
       "plan.prefill.append(Chunk(r, r.prefilled, r.prefill_tokens[r.prefilled + 1 : r.prefilled + n]))", MATRIX),
-    m("ragged_columns_of_the_first_row", "dflash_core/runners/native.py", "NativeTarget._forward_ragged",
-      "col_of = torch.arange(sum(lengths), device=self.device) - (ends - batch.lengths)[row_of]",
-      "col_of = torch.arange(sum(lengths), device=self.device) - ends[row_of] + batch.lengths[0]",
+    m("ragged_columns_of_the_first_row", "dflash_core/runners/paged.py", "PagedTarget._flat",
+      "col_of = torch.arange(sum(len(t) for t, _, _ in rows), device=self.device) - starts[row_of]",
+      "col_of = torch.arange(sum(len(t) for t, _, _ in rows), device=self.device) - (starts + g.lengths)[row_of]"
+      " + g.lengths[0]",
       "tests/test_native.py::test_batched_rows_equal_single_rows"),
     m("ragged_widths_over_budget", "dflash_core/speculation.py", "WidthPolicy.widths",
       "if nxt is None or verified + nxt - keep[r] > limit:", "if nxt is None:",
