@@ -184,6 +184,23 @@ class DraftConfig:
         out.setdefault("dtype", "float32")
         return out
 
+    def first_difference(self, other: DraftConfig) -> str | None:
+        """The first field (and both values) in which `other` describes another network than this config, or None
+        when the two describe the same shapes and computation (`extra`, the fields the draft does not use, aside)."""
+        for f in fields(self):
+            if f.name in ("extra", "num_target_layers"):  # the target's depth: a note at start-up, not a shape
+                continue
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "layer_types":  # None: every layer full attention
+                mine, theirs = self.attention_layers(), other.attention_layers()
+            if mine != theirs:
+                return f"{f.name} ({mine!r} -> {theirs!r})"
+        return None
+
+    def attention_layers(self) -> list[str]:
+        """Each layer's attention type (`layer_types`, every layer "full_attention" when the config has none)."""
+        return list(self.layer_types or ["full_attention"] * self.num_hidden_layers)
+
     def save(self, folder: str | Path) -> None:
         """Write `config.json` into `folder`."""
         Path(folder).mkdir(parents=True, exist_ok=True)

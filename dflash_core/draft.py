@@ -38,7 +38,7 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_attention_heads * hd, cfg.hidden_size, bias=cfg.attention_bias)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
-        layer_type = cfg.layer_types[layer_idx] if cfg.layer_types else "full_attention"
+        layer_type = cfg.attention_layers()[layer_idx]
         sliding = layer_type == "sliding_attention"
         self.is_causal = sliding if cfg.is_causal is None else bool(cfg.is_causal)
         self.sliding_window = cfg.sliding_window if sliding else None

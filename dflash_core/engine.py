@@ -21,10 +21,10 @@ from dflash_core.grammar import GrammarBackend, GrammarState
 from dflash_core.kv.manager import KVManager
 from dflash_core.kv.pool import KVStats
 from dflash_core.kv.requests import RequestMemory
-from dflash_core.outputs import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, StepOutput, TokenLogprob
+from dflash_core.outputs import FINISH_ABORT, FINISH_ERROR, StepOutput
 from dflash_core.pace import DecodePace
 from dflash_core.processors import build_processor
-from dflash_core.request_state import EngineRequest, checked_prompt
+from dflash_core.request_state import EngineRequest, checked_prompt, commit_tokens
 from dflash_core.runners.base import Drafter, DraftRequest, Proposal, TargetOutput, TargetRow, TargetRunner
 from dflash_core.sampling import (
     Block,
@@ -32,7 +32,6 @@ from dflash_core.sampling import (
     choose_step,
     choose_tokens,
     resolve_seed,
-    token_logprobs,
 )
 from dflash_core.scheduler import Chunk, Scheduler
 from dflash_core.speculation import StepCosts, WidthPolicy
@@ -71,6 +70,7 @@ class Engine:
     ) -> None:
         self.target = target
         self.drafter = drafter
+        self.draft_version = 1  # the draft proposing: 1 at start, one more per `swap_draft`
         self.grammar = grammar  # compiles structured outputs (None: requests with `structured` are refused)
         self.block_size = drafter.block_size if drafter is not None else 1
         if kv is None:  # engines that share a runner must share its KV memory: pass `kv`
@@ -164,12 +164,28 @@ class Engine:
             if run == 0:
                 self.policy.costs = StepCosts()
         # keep the measured costs, not what the dummy requests (ignore_eos on a made-up prompt) said of the draft
-        fresh = WidthPolicy(self.block_size, self.policy.policy, padded=self.policy.padded)
-        fresh.costs = self.policy.costs
-        self.policy = fresh
+        self.policy = self.policy.fresh()
         self.pace = DecodePace()
         if self.kv.pool is not None:
             self.kv.pool.reset_counters()  # the metrics count clients' requests, not the warm-up's
+
+    def swap_draft(self, draft: Any) -> int:
+        """Propose with `draft` from the next step (`Drafter.replace_draft`: ValueError, nothing changed, when it
+        cannot; any other error comes after the copy, `draft_version` moved on). Every request holding memory gives
+        it back and recomputes its caches, which rebuilds its draft context with the new weights; its output goes on
+        unchanged (the target chooses every token). The prefix cache is emptied: its blocks hold the old draft's
+        rows. Returns how many requests were restarted."""
+        if self.drafter is None:
+            raise ValueError("this engine runs without a draft: there is none to replace")
+        self.drafter.replace_draft(draft)
+        self.draft_version += 1  # the new weights serve from here on, whatever follows
+        restarted = self.memory.recompute_all([*self.scheduler.running, *self.scheduler.prefilling],
+                                              self.scheduler.preempted)
+        for req in self._active.values():
+            req.spec = None  # what the old draft's acceptance taught the policy does not hold for the new one
+        self.policy = self.policy.fresh()
+        log.info("draft replaced: %d request(s) restarted to rebuild their draft context", restarted)
+        return restarted
 
     def estimated_speedup(self) -> float | None:
         """Committed tokens per second of recent decode steps over what plain steps of the same batch would give,
@@ -406,6 +422,8 @@ class Engine:
                           speculative=self.drafter is not None)
         return done
 
+    _commit = staticmethod(commit_tokens)
+
     @staticmethod
     def _processed(req: EngineRequest, logits: torch.Tensor, proposals: list[int]) -> torch.Tensor:
         """The request's processed logits (`dflash_core.processors`): row i as plain decoding sees it after the
@@ -466,31 +484,4 @@ class Engine:
         # The accepted draft tokens (equal to the target's choices), then the target's own token after them.
         step = self._commit(req, proposals[:accepted] + chosen[accepted : accepted + 1], out.logits, step)
         self.memory.register(req)
-        return step
-
-    def _commit(self, req: EngineRequest, tokens: list[int], logits: torch.Tensor, step: StepOutput) -> StepOutput:
-        """Append tokens, cutting at the first stop token or at max_tokens; fill in logprobs."""
-        stop_at = next((i for i, tok in enumerate(tokens) if tok in req.stop_ids), None)
-        if stop_at is not None:
-            tokens = tokens[: stop_at + 1]
-            step.finish_reason, step.stop_token_id = FINISH_STOP, tokens[-1]
-        room = req.params.max_tokens - len(req.output)
-        if len(tokens) > room:
-            tokens = tokens[:room]
-            step.finish_reason, step.stop_token_id = FINISH_LENGTH, None
-        elif len(tokens) == room and step.finish_reason is None:
-            step.finish_reason = FINISH_LENGTH
-        ended = req.grammar.advance(tokens) if req.grammar is not None else None
-        if ended is not None:  # the grammar accepted its stop token: nothing may follow, the request ends
-            tokens = tokens[:ended]
-            step.finish_reason, step.stop_token_id = FINISH_STOP, tokens[-1]
-        req.output.extend(tokens)
-        req.stats.generated_tokens = len(req.output)
-        step.new_token_ids = tokens
-        if req.params.logprobs is not None:
-            rows = logits[-1:] if step.is_prefill else logits[: len(tokens)]
-            step.logprobs = [
-                TokenLogprob(tok, lp, top)
-                for tok, (lp, top) in zip(tokens, token_logprobs(rows, tokens, req.params.logprobs))
-            ]
         return step

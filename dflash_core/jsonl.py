@@ -12,15 +12,16 @@ class JSONLError(ValueError):
     """A JSONL file that is missing, malformed, or has a line that is not a JSON object."""
 
 
-def read_jsonl(path: str | Path, limit: int | None = None) -> list[dict[str, Any]]:
-    """The JSON objects of a file, one per non-blank line (the first `limit` when given)."""
+def read_jsonl(path: str | Path, limit: int | None = None, growing: bool = False) -> list[dict[str, Any]]:
+    """The JSON objects of a file, one per non-blank line (the first `limit` when given). `growing`: the file is
+    being appended to, and a last line without its newline (half written) is left out."""
     path = Path(path)
     if not path.is_file():
         raise JSONLError(f"{path} does not exist")
     rows: list[dict[str, Any]] = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
-            if not line.strip():
+            if not line.strip() or (growing and not line.endswith("\n")):
                 continue
             try:
                 row = json.loads(line)

@@ -6,11 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from dflash_core.chat import as_token_ids
 from dflash_core.grammar import GrammarState
 from dflash_core.kv.manager import RequestKV
+from dflash_core.outputs import FINISH_LENGTH, FINISH_STOP, StepOutput, TokenLogprob
 from dflash_core.processors import LogitsProcessor
-from dflash_core.sampling import SamplingParams
+from dflash_core.sampling import SamplingParams, token_logprobs
 from dflash_core.speculation import SpecState
 from dflash_core.stats import RequestStats
 
@@ -77,3 +80,32 @@ def checked_prompt(prompt_token_ids: list[int], params: SamplingParams, vocab: i
     if any(t >= vocab for t in params.logit_bias):
         raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
     return prompt
+
+
+def commit_tokens(req: EngineRequest, tokens: list[int], logits: torch.Tensor, step: StepOutput) -> StepOutput:
+    """Append the step's tokens to the request's output, cut at the first stop token, at max_tokens or where the
+    grammar ends; `step` gets them, its finish reason and their logprobs."""
+    stop_at = next((i for i, tok in enumerate(tokens) if tok in req.stop_ids), None)
+    if stop_at is not None:
+        tokens = tokens[: stop_at + 1]
+        step.finish_reason, step.stop_token_id = FINISH_STOP, tokens[-1]
+    room = req.params.max_tokens - len(req.output)
+    if len(tokens) > room:
+        tokens = tokens[:room]
+        step.finish_reason, step.stop_token_id = FINISH_LENGTH, None
+    elif len(tokens) == room and step.finish_reason is None:
+        step.finish_reason = FINISH_LENGTH
+    ended = req.grammar.advance(tokens) if req.grammar is not None else None
+    if ended is not None:  # the grammar accepted its stop token: nothing may follow, the request ends
+        tokens = tokens[:ended]
+        step.finish_reason, step.stop_token_id = FINISH_STOP, tokens[-1]
+    req.output.extend(tokens)
+    req.stats.generated_tokens = len(req.output)
+    step.new_token_ids = tokens
+    if req.params.logprobs is not None:
+        rows = logits[-1:] if step.is_prefill else logits[: len(tokens)]
+        step.logprobs = [
+            TokenLogprob(tok, lp, top)
+            for tok, (lp, top) in zip(tokens, token_logprobs(rows, tokens, req.params.logprobs))
+        ]
+    return step

@@ -179,6 +179,13 @@ class WidthPolicy:
     def adaptive(self) -> bool:
         return self.policy == "adaptive" and self.costs.target.ready and self.costs.draft.ready
 
+    def fresh(self) -> WidthPolicy:
+        """The same policy and measured step costs, with nothing learnt of the draft's acceptance (after the warm-up's
+        made-up requests, or a new draft)."""
+        policy = WidthPolicy(self.block_size, self.policy, self.ema, self.max_retry_after, self.padded)
+        policy.costs = self.costs
+        return policy
+
     def new_state(self) -> SpecState:
         """A new request starts from what recent requests committed per speculative step."""
         return SpecState(mean_committed=self.mean_committed)

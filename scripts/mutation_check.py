@@ -161,6 +161,11 @@ MUTATIONS: tuple[Mutation, ...] = (
       "tests/test_processors.py"),
     m("grammar_does_not_cut_the_proposal", ACCEPT, "Engine._grammar_cut",
       "return proposals[: req.grammar.walk(proposals)]", "return proposals", "tests/test_grammar.py"),
+    # replacing the draft while serving
+    m("swap_keeps_the_old_drafts_weights", DRAFTER, "DFlashDrafter.replace_draft",
+      "tensor.copy_(new[name])", "pass", "tests/test_draft_swap.py"),
+    m("swap_keeps_the_prefix_cache", "dflash_core/kv/requests.py", "RequestMemory.recompute_all",
+      "self.kv.pool.reset_prefix_cache()", "pass", "tests/test_draft_swap.py"),
     # training and the server
     m("train_zero_gradients", "dflash_core/train/loop.py", "train",
       "        loss.backward()\n", "        (loss * 0).backward()\n", "tests/test_train_learns.py"),

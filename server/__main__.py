@@ -14,6 +14,9 @@ Shutdown (SIGTERM or SIGINT): the server stops admitting (new requests and ``/he
 requests in progress finish for up to ``--shutdown-timeout`` seconds. Then running streams get an error event and
 ``data: [DONE]``, non-streamed and queued requests a 503 envelope; once those are sent uvicorn closes the
 connections and the process exits 0. A second SIGTERM / SIGINT exits at once (status 128 + signal number).
+
+SIGHUP: the draft folder is read again and swapped in while serving (``server.draft_swap``); a failure is logged and
+the old draft serves on.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,6 +40,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from uvicorn.server import ServerState as UvicornState
 
 import dflash_core  # noqa: F401  # before server.app loads torch: sets OMP_WAIT_POLICY=PASSIVE (see its docstring)
+from server import affinity
 from server.api_error import RETRY_AFTER_S
 from server.app import create_app
 from server.logs import setup_logging
@@ -101,7 +106,16 @@ def preflight(settings: Settings) -> str | None:
             continue
         if not Path(value).expanduser().exists() and not _is_hub_id(value):
             return f"--{name} {value}: no such folder (and not a hub id such as 'org/name')"
-    return _device_problem(settings.device) or _budget_problem(settings) or _record_problem(settings)
+    return (_device_problem(settings.device) or _budget_problem(settings) or _record_problem(settings)
+            or _adapt_problem(settings))
+
+
+def _adapt_problem(settings: Settings) -> str | None:
+    """--adapt-draft trains from the draft's folder (a hub id is not one)."""
+    if settings.adapt_draft and settings.draft is not None and not Path(settings.draft).expanduser().is_dir():
+        return (f"--adapt-draft: the draft {settings.draft} is not a local folder (dflash-train --init-draft reads "
+                f"one): download it and pass the folder")
+    return None
 
 
 def _record_problem(settings: Settings) -> str | None:
@@ -404,6 +418,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             server.should_exit = True
 
     app = create_app(settings, on_load_error=on_load_error)
+    state: ServerState = app.state.dflash
+    # SIGHUP reads the draft folder again and swaps it in (a thread: loading takes time; never the handler's)
+    signal.signal(signal.SIGHUP, lambda signum, frame: threading.Thread(
+        target=affinity.unpinned(state.reload_draft), name="dflash-sighup", daemon=True).start())
     config = uvicorn.Config(
         ConnectionLimit(app, settings.limit_concurrency, lambda: server.server_state),  # type: ignore[union-attr]
         host=settings.host,
@@ -415,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         timeout_graceful_shutdown=int(FLUSH_S),
         access_log=settings.log_level.lower() == "debug",
     )
-    server = DflashServer(config, app.state.dflash, settings.shutdown_timeout)
+    server = DflashServer(config, state, settings.shutdown_timeout)
     server.run()  # installs DflashServer.handle_exit while it serves, then restores _exit_now
     return 1 if failed else 0
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 _original: set[int] | None = None  # the process's cores before pinning (None: nothing pinned)
+_pinned: int | None = None  # the core the worker and the event loop were pinned to
 _released = threading.local()  # a pool thread that is back on the original cores
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -57,8 +58,10 @@ def choose_core() -> int:
 def pin_current_thread(core: int) -> None:
     """The calling thread onto `core`; the process's set before is remembered first (for `unpinned` and
     `spawning`)."""
+    global _pinned
     _remember_original()
     os.sched_setaffinity(0, {core})
+    _pinned = core
 
 
 @contextlib.contextmanager
@@ -89,6 +92,15 @@ def _remember_original() -> None:
     """The process's cores before anything is pinned (kept from the first pin on)."""
     if _original is None:
         _set_original(os.sched_getaffinity(0))
+
+
+def cores_beside_the_worker() -> set[int] | None:
+    """The process's cores but the one the worker was pinned to, for background work (`--adapt-draft`'s
+    training); None when nothing is pinned or no other core is left."""
+    if _original is None or _pinned is None:
+        return None
+    rest = _original - {_pinned}
+    return rest or None
 
 
 def unpinned(fn: F) -> F:

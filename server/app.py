@@ -26,14 +26,17 @@ from sse_starlette.sse import AppStatus
 from starlette.concurrency import run_in_threadpool
 
 from dflash_core.loading import LoadedModels
-from server import __version__
+from server import __version__, affinity
+from server.admin_request import AdminDraftRequest
+from server.api_error import APIError
 from server.chat_request import ChatCompletionRequest
-from server.checks import check_auth, check_content_type, check_model, check_ready, read_body
+from server.checks import check_admin, check_auth, check_content_type, check_model, check_ready, read_body
 from server.completion_request import CompletionRequest
+from server.draft_swap import DraftSwapError
 from server.errors import CLIENT_GONE, error_response, event_error, install_error_handlers
 from server.formatters import ChatFormatter, Choice, CompletionFormatter, ResponseFormatter
 from server.parsing import is_cheap
-from server.protocol import body_schema, new_id, request_schemas
+from server.protocol import body_schema, new_id, parse_request, request_schemas
 from server.runs import Run, completion_budget, prepare, sampling_params, start_run
 from server.settings import Settings
 from server.state import ServerState, display_name
@@ -63,6 +66,8 @@ def create_app(
             await state.chat_setup.close()  # the grammar helper processes
         if state.worker is not None:
             await run_in_threadpool(state.worker.stop)
+        if state.adapter is not None:
+            await run_in_threadpool(state.adapter.stop)  # a training child is terminated
         if state.recorder is not None:
             await run_in_threadpool(state.recorder.close)  # what is queued is written
 
@@ -133,7 +138,8 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
             "owned_by": "dflash-serve",
             "root": display_name(models.target_name),
             "max_model_len": models.engine.max_model_len,
-            "dflash": {"draft": display_name(models.draft_name) or None, "block_size": models.block_size},
+            "dflash": {"draft": display_name(models.draft_name) or None, "block_size": models.block_size,
+                       "draft_version": state.swapper.version if state.swapper is not None else None},
         }
 
     @app.get("/v1/models")
@@ -147,6 +153,30 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         card = model_card()
         check_model(model_id, state.served_model_name)
         return card
+
+    @app.get("/v1/admin/draft")
+    async def current_draft(request: Request) -> dict[str, Any]:
+        check_admin(request, state.settings.api_key)
+        check_ready(state)
+        assert state.swapper is not None
+        return {"object": "draft", "path": state.swapper.current, "draft_version": state.swapper.version}
+
+    @app.post("/v1/admin/draft", openapi_extra=body_schema("AdminDraftRequest"))
+    async def swap_draft(request: Request) -> JSONResponse:
+        """Replace the draft with the one in the folder `path` (a local folder on the server), between two steps:
+        running requests go on without an error or a changed token."""
+        check_admin(request, state.settings.api_key)
+        await check_content_type(request)
+        check_ready(state)
+        req = parse_request("admin_draft", await read_body(request))
+        assert isinstance(req, AdminDraftRequest) and state.swapper is not None
+        try:
+            done = await run_in_threadpool(affinity.unpinned(state.swapper.swap), req.path)  # never the worker's core
+        except DraftSwapError as exc:
+            raise APIError(exc.status, str(exc), param="path", code="draft_not_swapped") from None
+        return JSONResponse({"object": "draft", "path": done.draft, "draft_version": done.draft_version,
+                             "restarted_requests": done.restarted_requests,
+                             "load_seconds": round(done.load_seconds, 3), "swap_seconds": round(done.swap_seconds, 3)})
 
     @app.post("/v1/chat/completions", openapi_extra=body_schema("ChatCompletionRequest"))
     async def chat_completions(request: Request) -> Response:

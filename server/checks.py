@@ -39,6 +39,14 @@ def check_auth(request: Request, api_key: str | None) -> None:
         )
 
 
+def check_admin(request: Request, api_key: str | None) -> None:
+    """The admin routes: 403 when the server has no ``--api-key`` (they are off without one), else ``check_auth``."""
+    if not api_key:
+        raise APIError(403, "the admin API is off: start the server with --api-key to use it",
+                       type="permission_error", code="admin_api_disabled")
+    check_auth(request, api_key)
+
+
 async def check_content_type(request: Request) -> None:
     """415 unless the body is declared ``application/json`` (charset, if given, utf-8)."""
     raw = request.headers.get("content-type")

@@ -16,7 +16,8 @@ import collections
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -36,6 +37,7 @@ logger = logging.getLogger("dflash.metrics")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FINISHED_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error")
+MODEL_INFO_LABELS = ("target", "draft", "draft_version", "block_size", "device", "backend")
 
 # Latency buckets: vLLM's, extended downwards because speculative decoding commits several tokens per step.
 TTFT_BUCKETS: tuple[float, ...] = (
@@ -63,6 +65,17 @@ def build_1_2_5_buckets(max_value: int) -> list[float]:
                 return buckets or [1.0]
             buckets.append(float(value))
         exponent += 1
+
+
+@dataclass
+class _DraftSeries:
+    """The spec-decode series of one draft version (looked up once, not per step)."""
+
+    drafts: Any
+    draft_tokens: Any
+    accepted_tokens: Any
+    accepted_per_pos: list[Any]
+    acceptance_length: Any
 
 
 class ServerMetrics:
@@ -100,28 +113,30 @@ class ServerMetrics:
             "dflash_prompt_tokens", "Prompt tokens of finished requests.", registry=reg
         )
         self.generation_tokens = Counter("dflash_generation_tokens", "Generated tokens.", registry=reg)
+        # What measures the draft carries its `draft_version` (1: the draft loaded at start, one more per swap):
+        # a swapped-in draft's acceptance starts series of its own
         self.num_drafts = Counter(
-            "dflash_spec_decode_num_drafts", "Draft blocks verified by the target.", registry=reg
+            "dflash_spec_decode_num_drafts", "Draft blocks verified by the target.", ["draft_version"], registry=reg
         )
         self.num_draft_tokens = Counter(
-            "dflash_spec_decode_num_draft_tokens", "Draft tokens proposed.", registry=reg
+            "dflash_spec_decode_num_draft_tokens", "Draft tokens proposed.", ["draft_version"], registry=reg
         )
         self.num_accepted_tokens = Counter(
-            "dflash_spec_decode_num_accepted_tokens", "Draft tokens accepted by the target.", registry=reg
+            "dflash_spec_decode_num_accepted_tokens", "Draft tokens accepted by the target.", ["draft_version"],
+            registry=reg,
         )
         self.accepted_per_pos = Counter(
             "dflash_spec_decode_num_accepted_tokens_per_pos",
             "Accepted draft tokens by position in the draft block (0 = first proposed token).",
-            ["position"],
+            ["position", "draft_version"],
             registry=reg,
         )
-        for pos in range(block_size - 1):
-            self.accepted_per_pos.labels(position=str(pos))
 
         # Histograms.
         self.acceptance_length = Histogram(
             "dflash_acceptance_length",
             "Tokens committed per verify step (accepted draft tokens + 1).",
+            ["draft_version"],
             buckets=[float(i) for i in range(1, block_size + 1)],
             registry=reg,
         )
@@ -203,12 +218,13 @@ class ServerMetrics:
         self.model_info = Gauge(
             "dflash_model_info",
             "Served model pair (value is always 1).",
-            ["target", "draft", "block_size", "device", "backend"],
+            MODEL_INFO_LABELS,
             registry=reg,
         )
-        self.model_info.labels(
-            target=target, draft=draft or "", block_size=str(block_size), device=device, backend=backend
-        ).set(1)
+        self._info = {"target": target, "block_size": str(block_size), "device": device, "backend": backend}
+        self._draft: _DraftSeries
+        self._info_labels: dict[str, str] | None = None
+        self.set_draft(draft, 1)
 
         # State shared with the scrape thread and the summary line.
         self._lock = threading.Lock()
@@ -227,6 +243,23 @@ class ServerMetrics:
         self._interval_hits = 0
 
     # -- worker-side observations -------------------------------------------------------------------------
+
+    def set_draft(self, draft: str, version: int) -> None:
+        """The draft that proposes from now on (its name, and its version: 1 at start, one more per swap):
+        ``dflash_model_info`` names it, and the spec-decode series of its version start (at 0)."""
+        v = str(version)
+        old, self._info_labels = self._info_labels, {**self._info, "draft": draft or "", "draft_version": v}
+        self.model_info.labels(**self._info_labels).set(1)
+        if old is not None and old != self._info_labels:  # after the new one is up: a scrape always sees one
+            self.model_info.remove(*(old[k] for k in MODEL_INFO_LABELS))
+        self._draft = _DraftSeries(
+            drafts=self.num_drafts.labels(draft_version=v),
+            draft_tokens=self.num_draft_tokens.labels(draft_version=v),
+            accepted_tokens=self.num_accepted_tokens.labels(draft_version=v),
+            accepted_per_pos=[self.accepted_per_pos.labels(position=str(pos), draft_version=v)
+                              for pos in range(self.block_size - 1)],
+            acceptance_length=self.acceptance_length.labels(draft_version=v),
+        )
 
     def set_queue_state(self, running: int, waiting: int) -> None:
         """Publish the number of running (in the engine) and waiting (queued) requests."""
@@ -268,12 +301,13 @@ class ServerMetrics:
             self.verify_width.observe(out.verify_width)
         drafted = out.num_draft_tokens > 0
         if drafted:
-            self.num_drafts.inc()
-            self.num_draft_tokens.inc(out.num_draft_tokens)
-            self.num_accepted_tokens.inc(out.num_accepted_tokens)
+            series = self._draft
+            series.drafts.inc()
+            series.draft_tokens.inc(out.num_draft_tokens)
+            series.accepted_tokens.inc(out.num_accepted_tokens)
             for pos in range(out.num_accepted_tokens):
-                self.accepted_per_pos.labels(position=str(pos)).inc()
-            self.acceptance_length.observe(out.acceptance_length)
+                series.accepted_per_pos[pos].inc()
+            series.acceptance_length.observe(out.acceptance_length)
         with self._lock:
             self._advance_clock(now)
             if n_new:

@@ -23,6 +23,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from server.admin_request import AdminDraftRequest
 from server.api_error import APIError
 from server.chat_request import ChatCompletionRequest
 from server.completion_request import CompletionRequest
@@ -57,12 +58,13 @@ def _is_union_tag(x: Any) -> bool:
     return isinstance(x, str) and ("[" in x or x in {"str", "int", "float", "bool", "list", "dict"})
 
 
-AnyRequest = ChatCompletionRequest | CompletionRequest | TokenizeRequest | DetokenizeRequest
+AnyRequest = ChatCompletionRequest | CompletionRequest | TokenizeRequest | DetokenizeRequest | AdminDraftRequest
 REQUEST_MODELS: dict[str, type[AnyRequest]] = {
     "chat": ChatCompletionRequest,
     "completion": CompletionRequest,
     "tokenize": TokenizeRequest,
     "detokenize": DetokenizeRequest,
+    "admin_draft": AdminDraftRequest,
 }
 
 

@@ -13,6 +13,8 @@ import dataclasses
 import json
 import math
 import os
+import re
+import shlex
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -114,6 +116,28 @@ class Settings(EngineConfig):
         "recorded), for dflash-train --data FOLDER (default: none, nothing recorded)")
     record_max_bytes: str = _setting(
         "64MiB", "size of one --record-traffic shard: a new file is started before one would grow past it")
+    adapt_draft: bool = _setting(
+        False, "fine-tune the draft on the recorded traffic (needs --record-traffic) in a background process on a "
+        "schedule (--adapt-interval), and swap the new draft in without a restart when it beats the serving one on "
+        "a held-out slice of the records (--adapt-gate-margin)")
+    adapt_interval: float = _setting(3600.0, "--adapt-draft: seconds between looks at the records")
+    adapt_min_records: int = _setting(
+        500, "--adapt-draft: new recorded requests a fine-tuning cycle waits for")
+    adapt_steps: int = _setting(400, "--adapt-draft: optimizer steps of a cycle (dflash-train --steps)")
+    adapt_threads: int = _setting(
+        1, "--adapt-draft: CPU threads of the training process (it runs at the lowest priority, off the worker's "
+        "core)")
+    adapt_device: str = _setting(
+        "cpu", "--adapt-draft: device of the training process (cpu, cuda, cuda:N; on the serving GPU it competes "
+        "with serving: give it another one)")
+    adapt_gate_margin: float = _setting(
+        0.05, "--adapt-draft: a new draft is swapped in only when its held-out acceptance length beats the serving "
+        "one's by this share")
+    adapt_dir: str | None = _setting(
+        None, "--adapt-draft: folder of the cycles' drafts and reports (default: RECORD_TRAFFIC/adapted)")
+    adapt_train_args: str | None = _setting(
+        None, "--adapt-draft: more dflash-train options for each cycle, as one string (e.g. '--lr 3e-4 "
+        "--cache-hidden') (default: none)")
     allowed_origins: str | None = _setting(
         None, "CORS: origins allowed to call the API from a browser, a JSON list such as '[\"*\"]' (default: none)"
     )
@@ -156,7 +180,28 @@ class Settings(EngineConfig):
             raise ValueError("shutdown_timeout must be >= 0")
         if parse_bytes(self.record_max_bytes) < 1024:
             raise ValueError(f"record_max_bytes must be at least 1KiB, got {self.record_max_bytes!r}")
+        self._validate_adaptation()
         self._validate_api_surface()
+
+    def _validate_adaptation(self) -> None:
+        """--adapt-draft and its settings."""
+        if self.adapt_draft and self.record_traffic is None:
+            raise ValueError("adapt_draft needs record_traffic: the draft learns from the recorded requests")
+        if self.adapt_draft and (not self.speculative or (self.target is not None and self.draft is None)):
+            raise ValueError("adapt_draft needs a draft (--draft; --no-speculative serves none) to fine-tune")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.adapt_device):
+            raise ValueError(f"adapt_device must be cpu, cuda or cuda:N, got {self.adapt_device!r}")
+        if self.adapt_interval <= 0:
+            raise ValueError("adapt_interval must be > 0")
+        for name in ("adapt_min_records", "adapt_steps", "adapt_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.adapt_gate_margin < 0:
+            raise ValueError("adapt_gate_margin must be >= 0")
+        try:
+            shlex.split(self.adapt_train_args or "")
+        except ValueError as exc:
+            raise ValueError(f"adapt_train_args: {exc}") from None
 
     def _validate_api_surface(self) -> None:
         """The parsers, the chat template, CORS origins and generation defaults."""

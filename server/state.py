@@ -19,7 +19,9 @@ from dflash_core.detokenize import TokenStrings
 from dflash_core.loading import DEMO_DRAFT, DEMO_TARGET, LoadedModels, load_models
 from dflash_core.memory import parse_bytes
 from server import affinity
+from server.adapt import DraftAdapter, adapt_settings
 from server.chat_setup import ChatSetup
+from server.draft_swap import DraftSwapError, DraftSwapper
 from server.generation_config import GenerationDefaults, load_generation_defaults
 from server.metrics import ServerMetrics
 from server.parsing import Limiter, ParsePool
@@ -51,6 +53,8 @@ class ServerState:
     tokenize_limiter: Limiter = field(default_factory=tokenize_limiter)
     draining: bool = False  # set on SIGTERM (server.__main__): new requests get 503, /health 503
     recorder: TrafficRecorder | None = None  # --record-traffic
+    swapper: DraftSwapper | None = None  # replaces the draft while serving (POST /v1/admin/draft, SIGHUP)
+    adapter: DraftAdapter | None = None  # --adapt-draft
     loop: asyncio.AbstractEventLoop | None = None  # the event loop serving the app (set by its lifespan)
     created: int = field(default_factory=now_ts)
 
@@ -103,6 +107,10 @@ class ServerState:
             recorder=self.recorder, model_name=self.served_model_name,
         )
         worker.start()
+        self.swapper = DraftSwapper(models, worker, self.metrics, display_name)
+        if s.adapt_draft and models.draft_name is not None:
+            self.adapter = DraftAdapter(adapt_settings(s, models.target_name), self.swapper)
+            self.adapter.start()
         self.models = models
         self.worker = worker
         # Everything loaded so far lives as long as the server: out of the collector's sight, so that a full
@@ -159,6 +167,17 @@ class ServerState:
             self.install(models, warm_up=True, on_error=on_error)
         except Exception as e:
             self._failed(e, on_error)
+
+    def reload_draft(self, folder: str | None = None) -> None:
+        """SIGHUP: swap in the draft in `folder` (None: the serving folder, read again), the outcome logged; never
+        raises (a failure leaves the old draft serving)."""
+        if self.swapper is None or not self.ready:
+            log.warning("draft reload ignored: the server is not serving yet")
+            return
+        try:
+            self.swapper.swap(folder)
+        except DraftSwapError as exc:
+            log.error("draft reload failed, the old draft serves on: %s", exc)
 
     def _failed(self, e: Exception, on_error: Callable[[str], None] | None) -> None:
         """Loading or warming up failed: /health says why, in one line."""

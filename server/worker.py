@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -103,7 +104,6 @@ class _Request:
     num_tokens: int = 0
     itl: list[float] = field(default_factory=list)
     done: bool = False  # the client has its last event
-    aborted: bool = False  # the client went away
     output_ids: list[int] = field(default_factory=list)  # the output's token ids (kept only to be recorded)
 
 
@@ -179,11 +179,8 @@ class Worker:
             return self._in_system
 
     def fail_all(self, message: str = SHUTTING_DOWN) -> None:
-        """Answer every request in flight, and every later one, with a 503 (the server is going away).
-
-        Running requests get an error event after the tokens they already have (a stream ends with an error
-        event and ``[DONE]``); waiting ones get only the error (a 503 envelope).
-        """
+        """Answer every request in flight, and every later one, with a 503 (the server is going away): running ones
+        get an error event after their tokens (a stream ends with it and ``[DONE]``), waiting ones a 503 envelope."""
         self._inbox.put(("fail_all", WorkerError(503, "service_unavailable", message)))
 
     def submit(self, handles: list[RequestHandle]) -> None:
@@ -198,6 +195,15 @@ class Worker:
     def abort(self, handle: RequestHandle) -> None:
         """The client is gone: drop the request at the next step."""
         self._inbox.put(("abort", handle))
+
+    def between_steps(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Run `fn` on the worker thread at the next step boundary (no step runs meanwhile: a draft swap); the
+        future gets its result or its exception."""
+        done: Future[Any] = Future()
+        self._inbox.put(("call", (fn, done)))
+        if not self._thread.is_alive():  # no step boundary will come (cancelled here or by `_shutdown`)
+            done.cancel()
+        return done
 
     # --- worker thread ----------------------------------------------------------------------------------
 
@@ -251,6 +257,11 @@ class Worker:
             elif kind == "fail_all":
                 self._closed = obj
                 self._fail_all(obj)
+            elif kind == "call" and obj[1].set_running_or_notify_cancel():  # not given up by its caller
+                try:
+                    obj[1].set_result(obj[0]())
+                except Exception as exc:
+                    obj[1].set_exception(exc)
         self._admit()
         self._publish_queue_state()
         if self._active:
@@ -269,9 +280,7 @@ class Worker:
         self._metrics.set_queue_state(self.num_running, self.num_waiting)
 
     def _add(self, h: RequestHandle) -> None:
-        text = OutputText(
-            self._tokenizer, h.prompt_token_ids, h.params.stop, h.skip_special_tokens, h.include_stop_str
-        )
+        text = OutputText(self._tokenizer, h.prompt_token_ids, h.params.stop, h.skip_special_tokens, h.include_stop_str)
         r = _Request(handle=h, text=text)
         if self._closed is not None:
             self._fail(r, self._closed)
@@ -283,7 +292,6 @@ class Worker:
         r = self._by_uid.get(h.uid)
         if r is None or r.done:
             return
-        r.aborted = True
         if r.rid is None:  # still waiting: never reached the engine
             self._waiting.remove(r)
             self._finish(r, "abort", now=time.monotonic())
@@ -431,32 +439,21 @@ class Worker:
             return
         r.done = True
         self._release_capacity()
-        self._post(
-            r.handle,
-            WorkerEvent(index=r.handle.index, finish_reason="error", error=error, completion_tokens=r.num_tokens),
-        )
+        ev = WorkerEvent(index=r.handle.index, finish_reason="error", error=error, completion_tokens=r.num_tokens)
+        self._post(r.handle, ev)
         self._observe_finished(r, "error", time.monotonic())
         if r.rid is None:
             self._by_uid.pop(r.handle.uid, None)
 
-    def _observe_finished(
-        self, r: _Request, reason: str, now: float, spec: SpecSummary | None = None
-    ) -> None:
-        h = r.handle
-        spec = spec or self._final_stats(r)[0]
+    def _observe_finished(self, r: _Request, reason: str, now: float, spec: SpecSummary | None = None) -> None:
+        h, spec = r.handle, spec or self._final_stats(r)[0]
         start = r.admitted if r.admitted is not None else now
+        ttft = None if r.first_token is None else r.first_token - h.arrival
         try:
             self._metrics.observe_finished(
-                request_id=h.request_id,
-                finish_reason=reason,
-                prompt_tokens=len(h.prompt_token_ids),
-                generation_tokens=r.num_tokens,
-                mean_acceptance_length=spec.mean_acceptance_length,
-                queue_time=start - h.arrival,
-                ttft=None if r.first_token is None else r.first_token - h.arrival,
-                e2e=now - h.arrival,
-                inter_token_latencies=r.itl,
-            )
+                request_id=h.request_id, finish_reason=reason, prompt_tokens=len(h.prompt_token_ids),
+                generation_tokens=r.num_tokens, mean_acceptance_length=spec.mean_acceptance_length,
+                queue_time=start - h.arrival, ttft=ttft, e2e=now - h.arrival, inter_token_latencies=r.itl)
         except Exception:
             log.exception("metrics.observe_finished failed")
 
@@ -490,7 +487,13 @@ class Worker:
         self._publish_queue_state()
 
     def _shutdown(self) -> None:
-        """Abort whatever is still in flight (the server is going away)."""
+        """Abort whatever is still in flight (the server is going away); calls still queued are cancelled."""
+        while not self._inbox.empty():  # what came in meanwhile: requests failed below, calls cancelled
+            kind, obj = self._inbox.get_nowait()
+            if kind == "add":
+                self._add(obj)
+            elif kind == "call":
+                obj[1].cancel()
         self._fail_all(WorkerError(503, "service_unavailable", SHUTTING_DOWN))
         self._active.clear()
         self._by_uid.clear()

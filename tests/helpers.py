@@ -258,3 +258,18 @@ class RecordingDrafter(Drafter):
     def by_prompt(self, prompt: list[int] | tuple[int, ...]) -> list[Proposal]:
         """The proposals made for one request (prompts are assumed distinct), in order."""
         return [p for p in self.proposals if p.prompt == tuple(prompt)]
+
+
+def noisy_demo_draft(folder: str | Path, scale: float, seed: int = 0) -> Path:
+    """The demo draft with Gaussian noise on every weight (`scale` times each tensor's spread), saved to `folder`:
+    the same shapes, other proposals."""
+    from dflash_core.draft import DFlashDraft
+    from dflash_core.loading import DEMO_DRAFT
+
+    draft = DFlashDraft.from_folder(DEMO_DRAFT)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std().clamp_min(1e-3))
+    draft.save(folder)
+    return Path(folder)

@@ -109,8 +109,11 @@ def test_names_types_labels_and_buckets() -> None:
     for reason in ("stop", "length", "abort", "error"):
         assert value(parsed, "dflash_requests_total", finished_reason=reason) == 0
     for pos in range(B - 1):
-        assert value(parsed, "dflash_spec_decode_num_accepted_tokens_per_pos_total", position=str(pos)) == 0
-    assert ("dflash_spec_decode_num_accepted_tokens_per_pos_total", (("position", str(B - 1)),)) not in parsed
+        assert value(parsed, "dflash_spec_decode_num_accepted_tokens_per_pos_total", position=str(pos),
+                     draft_version="1") == 0
+    per_pos_last = ("dflash_spec_decode_num_accepted_tokens_per_pos_total", (("draft_version", "1"),
+                                                                              ("position", str(B - 1))))
+    assert per_pos_last not in parsed
     les = sorted(
         float(dict(labels)["le"]) for name, labels in parsed if name == "dflash_acceptance_length_bucket"
     )
@@ -122,7 +125,7 @@ def test_names_types_labels_and_buckets() -> None:
     assert value(parsed, "dflash_spec_decode_estimated_speedup") == 1.0
     info = value(
         parsed, "dflash_model_info", target="tiny-target", draft="tiny-draft", block_size=str(B),
-        device="cpu", backend="hf",
+        device="cpu", backend="hf", draft_version="1",
     )
     assert info == 1
 
@@ -148,24 +151,25 @@ def test_step_and_request_accounting() -> None:
     p = samples(m)
     assert value(p, "dflash_generation_tokens_total") == gen1 + gen2
     assert value(p, "dflash_prompt_tokens_total") == 10
-    assert value(p, "dflash_spec_decode_num_drafts_total") == 4
-    assert value(p, "dflash_spec_decode_num_draft_tokens_total") == 4 * (B - 1)
+    assert value(p, "dflash_spec_decode_num_drafts_total", draft_version="1") == 4
+    assert value(p, "dflash_spec_decode_num_draft_tokens_total", draft_version="1") == 4 * (B - 1)
     accepted = 3 + 1 + 0 + 2
-    assert value(p, "dflash_spec_decode_num_accepted_tokens_total") == accepted
+    assert value(p, "dflash_spec_decode_num_accepted_tokens_total", draft_version="1") == accepted
     per_pos_name = "dflash_spec_decode_num_accepted_tokens_per_pos_total"
-    per_pos = [value(p, per_pos_name, position=str(k)) for k in range(3)]
+    per_pos = [value(p, per_pos_name, position=str(k), draft_version="1") for k in range(3)]
     assert per_pos == [3, 2, 1]  # positions reached by accepts of 3, 1, 0, 2
-    assert sum(per_pos) == accepted and max(per_pos) <= value(p, "dflash_spec_decode_num_drafts_total")
+    assert sum(per_pos) == accepted
+    assert max(per_pos) <= value(p, "dflash_spec_decode_num_drafts_total", draft_version="1")
     # Acceptance length: one observation per verify step, a+1 before the stop cut; never for prefill.
-    assert value(p, "dflash_acceptance_length_count") == 4
+    assert value(p, "dflash_acceptance_length_count", draft_version="1") == 4
     assert value(p, "dflash_spec_decode_verify_width_count") == 4  # every verify step, at width B
     assert value(p, "dflash_spec_decode_verify_width_bucket", le="2.0") == 0
-    assert value(p, "dflash_acceptance_length_sum") == 4 + accepted
-    assert value(p, "dflash_acceptance_length_bucket", le="1.0") == 1
-    assert value(p, "dflash_acceptance_length_bucket", le="2.0") == 2
-    assert value(p, "dflash_acceptance_length_bucket", le="4.0") == 4
-    mean_al = 1 + value(p, "dflash_spec_decode_num_accepted_tokens_total") / value(
-        p, "dflash_spec_decode_num_drafts_total"
+    assert value(p, "dflash_acceptance_length_sum", draft_version="1") == 4 + accepted
+    assert value(p, "dflash_acceptance_length_bucket", le="1.0", draft_version="1") == 1
+    assert value(p, "dflash_acceptance_length_bucket", le="2.0", draft_version="1") == 2
+    assert value(p, "dflash_acceptance_length_bucket", le="4.0", draft_version="1") == 4
+    mean_al = 1 + value(p, "dflash_spec_decode_num_accepted_tokens_total", draft_version="1") / value(
+        p, "dflash_spec_decode_num_drafts_total", draft_version="1"
     )
     assert mean_al == pytest.approx(1 + 6 / 4)
     # Per-request histograms: one observation per request; ITL one per token after the first.
@@ -194,8 +198,8 @@ def test_autoregressive_and_abort() -> None:
     )
     p = samples(m)
     assert value(p, "dflash_generation_tokens_total") == 2
-    assert value(p, "dflash_spec_decode_num_drafts_total") == 0
-    assert value(p, "dflash_acceptance_length_count") == 0
+    assert value(p, "dflash_spec_decode_num_drafts_total", draft_version="1") == 0
+    assert value(p, "dflash_acceptance_length_count", draft_version="1") == 0
     assert not any(name.endswith("_per_pos_total") for name, _ in p)
     assert value(p, "dflash_requests_total", finished_reason="abort") == 1
     assert value(p, "dflash_time_to_first_token_seconds_count") == 0
@@ -211,8 +215,8 @@ def test_registries_are_independent() -> None:
     """Two apps in one process (as in the tests) do not share or clash on collectors."""
     a, b = make_metrics(), make_metrics()
     a.observe_step(verify(0, 2), 1.0)
-    assert value(samples(a), "dflash_spec_decode_num_drafts_total") == 1
-    assert value(samples(b), "dflash_spec_decode_num_drafts_total") == 0
+    assert value(samples(a), "dflash_spec_decode_num_drafts_total", draft_version="1") == 1
+    assert value(samples(b), "dflash_spec_decode_num_drafts_total", draft_version="1") == 0
 
 
 def test_tokens_per_second_window() -> None:
@@ -428,3 +432,24 @@ def test_kv_metrics_and_cached_tokens_through_the_app() -> None:
             assert "dflash_num_preemptions_total 2.0" in metrics
 
     run(test)
+
+
+def test_a_swapped_draft_counts_under_its_own_version() -> None:
+    """After a draft swap (`set_draft`) the spec-decode series of the new version grow, the old ones stay, and
+    dflash_model_info names the new draft only."""
+    m = make_metrics()
+    m.observe_step(verify(1, accepted=2), now=1.0)
+    m.set_draft("tuned", 2)
+    m.observe_step(verify(1, accepted=1), now=2.0)
+    m.observe_step(verify(1, accepted=3), now=3.0)
+    p = samples(m)
+    assert value(p, "dflash_spec_decode_num_drafts_total", draft_version="1") == 1
+    assert value(p, "dflash_spec_decode_num_accepted_tokens_total", draft_version="1") == 2
+    assert value(p, "dflash_spec_decode_num_drafts_total", draft_version="2") == 2
+    assert value(p, "dflash_spec_decode_num_accepted_tokens_total", draft_version="2") == 4
+    assert value(p, "dflash_acceptance_length_count", draft_version="2") == 2
+    per_pos = "dflash_spec_decode_num_accepted_tokens_per_pos_total"
+    assert [value(p, per_pos, position=str(k), draft_version="2") for k in range(B - 1)] == [2, 1, 1]
+    infos = [dict(labels) for name, labels in p if name == "dflash_model_info"]
+    assert infos == [{"target": "tiny-target", "draft": "tuned", "draft_version": "2", "block_size": str(B),
+                      "device": "cpu", "backend": "hf"}]

@@ -184,3 +184,36 @@ def test_dflash_train_continues_a_draft_on_recorded_traffic(tmp_path: Path, caps
     last = err.strip().splitlines()[-1]
     assert rc == 2 and last.startswith("dflash-train: error: --init-draft:") and "vocab_size" in last
     assert "Traceback" not in err and not (tmp_path / "refused").exists()
+
+
+def test_a_half_written_last_record_is_not_read_and_dflash_bench_runs_the_records(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A server may be appending to the newest shard while dflash-train reads the folder: its last line, without
+    its newline yet, is left out. `dflash-bench offline --dataset` reads recorded requests as token-id prompts
+    (no chat template); the HTTP modes refuse them."""
+    from dflash_core.bench.cli import main as bench_main
+    from dflash_core.bench.offline import prompt_ids
+    from dflash_core.bench.prompts import read_prompts
+    from dflash_core.train.traffic import read_traffic
+
+    shard = tmp_path / "traffic-1-1-0001.jsonl"
+    whole = [json.dumps({**record(i).__dict__}) for i in range(2)]
+    shard.write_text("\n".join(whole) + "\n" + whole[0][:25])
+    rows = read_traffic(tmp_path)
+    assert [r["id"] for r in rows] == ["chatcmpl-0-0", "chatcmpl-1-0"]
+    heldout = _complete(shard)
+    prompts = read_prompts(heldout, "heldout")
+    assert [p.token_ids for p in prompts] == [list(range(0, 10)), list(range(1, 11))]
+    assert prompt_ids(None, prompts[1]) == list(range(1, 11))
+    argv = ["serve", "--base-url", "http://127.0.0.1:9", "--dataset", str(heldout), "--no-plots", "--output-dir",
+            str(tmp_path)]
+    assert bench_main(argv) == 2
+    assert "run in `dflash-bench offline` only" in capsys.readouterr().err
+
+
+def _complete(shard: Path) -> Path:
+    """The shard's whole lines, as dflash-train writes a held-out file."""
+    out = shard.with_name("heldout.jsonl")
+    out.write_text("".join(line for line in shard.read_text().splitlines(keepends=True) if line.endswith("\n")))
+    return out

@@ -318,3 +318,29 @@ def test_a_step_of_several_streams_wakes_the_event_loop_once() -> None:
         assert sorted(n for n in handoffs if n > 1) == [3, 3, 3], handoffs
 
     run(test)
+
+
+def test_a_call_between_steps_runs_on_the_worker_thread_and_a_stopped_worker_cancels_it() -> None:
+    """`between_steps` (a draft swap): the function runs on the worker's thread, between two steps of a running
+    stream, which goes on; its error reaches the caller; after the worker has stopped a call is cancelled, never
+    left waiting."""
+    engine = new_engine()
+    engine.script("long", Script(["a", "b", "c", "d", "e", "f"]))
+
+    async def test() -> None:
+        async with serving(engine) as worker:
+            h = handle("long")
+            worker.submit([h])
+            await until(lambda: engine.steps >= 2, "two steps")
+            seen: list[int] = []
+            done = worker.between_steps(lambda: seen.append(threading.get_native_id()) or 7)
+            assert await asyncio.wrap_future(done) == 7
+            assert seen == [worker.thread_id]
+            failing = worker.between_steps(lambda: 1 / 0)
+            with pytest.raises(ZeroDivisionError):
+                await asyncio.wrap_future(failing)
+            assert text(await events(h)) == "abcdef"
+        late = worker.between_steps(lambda: 1)
+        assert late.cancelled()
+
+    run(test)

@@ -272,6 +272,9 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             raise BenchError(f"--compare {args.compare}: not a serve result")
     out_dir = resolve_output_dir(args.output_dir)
     prompts = load_prompts(args.dataset, args.num_prompts, args.seed)
+    if args.mode != "offline" and any(p.token_ids is not None for p in prompts):
+        raise BenchError(f"{args.dataset} holds recorded requests (prompt_token_ids): they run in "
+                         f"`dflash-bench offline` only")
     require_extra(args.mode, (["openai"] if args.mode == "serve" else []) + ([] if args.no_plots else ["matplotlib"]))
     progress = not args.no_progress
     if args.mode == "offline":

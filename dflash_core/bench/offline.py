@@ -14,6 +14,11 @@ from dflash_core.config import EngineConfig
 from dflash_core.stats import mean_acceptance_length
 
 
+def prompt_ids(tokenizer: Any, prompt: Prompt) -> list[int]:
+    """A prompt's token ids: a recorded request's own, else its chat rendered (`encode_prompt`)."""
+    return list(prompt.token_ids) if prompt.token_ids is not None else encode_prompt(tokenizer, prompt.messages)
+
+
 def encode_prompt(tokenizer: Any, messages: list[Message]) -> list[int]:
     """Token ids of a chat as dflash-serve builds them: the chat template with the generation prompt."""
     try:
@@ -166,7 +171,7 @@ def run_offline(
         raise BenchError("offline needs a draft with block size >= 2")
     plain = plain_twin(dflash)
     bsz = dflash.block_size
-    encoded = [encode_prompt(models.tokenizer, p.messages) for p in prompts]
+    encoded = [prompt_ids(models.tokenizer, p) for p in prompts]
 
     def params(i: int, n: int = max_tokens) -> Any:
         return SamplingParams(max_tokens=n, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed + i)

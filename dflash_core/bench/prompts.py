@@ -18,10 +18,11 @@ Message = dict[str, str]
 
 @dataclass
 class Prompt:
-    """One conversation to complete, and the set it came from."""
+    """One conversation to complete (or, from recorded traffic, a prompt's token ids), and the set it came from."""
 
     messages: list[Message]
     source: str
+    token_ids: list[int] | None = None  # a recorded request's prompt (`--record-traffic`): no chat template
 
 
 _REASON = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -67,6 +68,10 @@ def read_prompts(path: str | Path, source: str) -> list[Prompt]:
         raise BenchError(str(exc)) from None
     out = []
     for k, row in enumerate(rows):
+        ids = row.get("prompt_token_ids")
+        if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids):  # a recorded request
+            out.append(Prompt([], source, token_ids=ids))
+            continue
         try:
             messages = _row_messages(row)
         except (KeyError, TypeError, AttributeError) as exc:
@@ -74,7 +79,8 @@ def read_prompts(path: str | Path, source: str) -> list[Prompt]:
                 f"{path}:{_line_number(path, k)}: not a prompt row ({type(exc).__name__}: {exc})"
             ) from None
         if messages is None:
-            raise BenchError(f"{path}:{_line_number(path, k)}: expected 'messages', 'prompt' or 'turns'")
+            raise BenchError(f"{path}:{_line_number(path, k)}: expected 'messages', 'prompt', 'turns' or "
+                             f"'prompt_token_ids'")
         out.append(Prompt(messages, source))
     if not out:
         raise BenchError(f"{path}: no prompts")

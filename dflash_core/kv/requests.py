@@ -120,15 +120,32 @@ class RequestMemory:
         req.kv = None
 
     def preempt(self, req: EngineRequest) -> None:
-        """Give an admitted request's memory back; when admitted again it recomputes its cache (prompt, and output
-        but the last token) and decodes on as if nothing happened (the scheduler puts it first in line)."""
+        """Give an admitted request's memory back because the pool ran short (counted in `preemptions`); see
+        `recompute`."""
         log.info("request %d preempted (KV blocks ran out); it will be recomputed", req.id)
+        self.recompute(req)
+        self.preemptions += 1
+
+    def recompute(self, req: EngineRequest) -> None:
+        """Give an admitted request's memory back; when admitted again it recomputes its caches (prompt, and output
+        but the last token) and decodes on as if nothing happened (the scheduler puts it first in line)."""
         self.release(req)
         if req.output:  # decoding: what its cache held; still prefilling: its prefill as it was
             req.prefill_tokens = (req.prompt + req.output)[: req.position]
         req.prefilled = 0
         req.stats.preemptions += 1
-        self.preemptions += 1
+
+    def recompute_all(self, holders: Sequence[EngineRequest], requeue: Callable[[EngineRequest], None]) -> int:
+        """`recompute` every request of `holders` that holds memory, newest first into `requeue` (which puts each
+        first in line: the oldest ends up first), then empty the prefix cache, whose blocks hold rows of the caches
+        being rebuilt. Returns how many were restarted."""
+        held = sorted((r for r in holders if r.kv is not None), key=lambda r: r.id, reverse=True)
+        for req in held:
+            self.recompute(req)
+            requeue(req)
+        if self.kv.pool is not None:
+            self.kv.pool.reset_prefix_cache()
+        return len(held)
 
     def make_room(
         self, decoding: Sequence[EngineRequest], holders: Sequence[EngineRequest],

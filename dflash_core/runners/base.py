@@ -186,6 +186,12 @@ class Drafter(ABC):
         """As `TargetRunner.warm_up`: the drafter's static shapes, on the thread that will run the steps."""
         return 0.0
 
+    def replace_draft(self, draft: Any) -> None:
+        """Propose with `draft` (a draft network loaded from a folder) from now on; ValueError, with nothing
+        changed, when this drafter cannot take it. Every request's context rows are stale afterwards: the engine
+        restarts the requests (`Engine.swap_draft`)."""
+        raise ValueError(f"{type(self).__name__} cannot change its draft while serving")
+
     def propose_scored(self, items: Sequence[DraftRequest]) -> list[Proposal]:
         """Each item's proposal with the draft's probability of every proposed token (the width policy cuts a
         proposal where the running product falls low). A drafter without probabilities reports 1.0."""

@@ -107,6 +107,29 @@ class DFlashDrafter(Drafter):
                 dims = {0: (0, 1), 1: (0, 1), 2: (0, 1), 3: (0, 1), 4: (0, 1), 5: (0,), 6: (0,), 7: (0, 1)}
                 self._step = self.static.wrap(self._static_forward, target.device, dynamic=dims)
 
+    def replace_draft(self, draft: DFlashDraft) -> None:
+        """Copy `draft`'s weights into the serving draft's tensors, in place: the compiled steps and recorded CUDA
+        graphs read those tensors, so they serve the new weights unchanged. Only a draft of the same config (shapes,
+        block size, target layers, mask token, RoPE) can be copied in; another one needs a restart."""
+        why = self.draft.cfg.first_difference(draft.cfg)
+        if why is not None:
+            raise ValueError(f"the new draft differs from the serving one in {why}: a draft of another shape needs "
+                             f"a restart")
+        draft.pack()  # the same tensors as the serving draft's (packed projections included)
+        # buffers first: the packed projections, whose views the projections' weights are, are copied once
+        old = {**dict(self.draft.named_buffers()), **dict(self.draft.named_parameters())}
+        new = {**dict(draft.named_buffers()), **dict(draft.named_parameters())}
+        if old.keys() != new.keys() or any(old[k].shape != new[k].shape for k in old):
+            raise ValueError("the new draft's tensors do not match the serving draft's")
+        copied: set[int] = set()
+        with torch.no_grad():
+            for name, tensor in old.items():
+                storage = tensor.untyped_storage().data_ptr()
+                if storage in copied:
+                    continue  # a view of a packed tensor copied already
+                tensor.copy_(new[name])
+                copied.add(storage)
+
     def new_state(
         self, slot: int, prompt_token_ids: list[int], blocks: list[int] | None = None, cached: int = 0
     ) -> _DFlashState:

@@ -32,7 +32,8 @@ def read_traffic(folder: Path, limit: int | None = None) -> list[dict[str, Any]]
     shards = sorted(folder.glob(SHARDS))
     for shard in shards:
         try:
-            rows += read_jsonl(shard, None if limit is None else limit - len(rows))
+            # a server may be writing the newest shard: its half-written last line is not read
+            rows += read_jsonl(shard, None if limit is None else limit - len(rows), growing=True)
         except JSONLError as exc:
             raise UsageError(str(exc)) from None
         if limit is not None and len(rows) >= limit:
