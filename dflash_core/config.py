@@ -11,6 +11,7 @@ from typing import Any
 from dflash_core.kv.pool import DEFAULT_KV_BLOCK
 
 DRAFT_ARCHITECTURE = "DFlashDraftModel"
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -54,6 +55,44 @@ def read_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, params
 
 
+@dataclass(frozen=True)
+class DFlash2Config:
+    """The `dflash_config` keys a DFlash 2 draft adds."""
+
+    conv_kernel_size: int  # taps K of the convolution
+    conv_group_size: int  # channels sharing one dynamic kernel
+    selector_rank: int  # rank r of the selector's codebooks
+    selector_top_k: int  # candidates per position
+
+    def check(self, hidden_size: int, vocab_size: int, draft_vocab_size: int | None) -> None:
+        """ValueError naming the field when this config cannot describe a draft of these sizes."""
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"draft config.json dflash_config.{name} must be >= 1, got {getattr(self, name)}")
+        if hidden_size % self.conv_group_size:
+            raise ValueError(f"draft config.json dflash_config.conv_group_size {self.conv_group_size} does not "
+                             f"divide hidden_size {hidden_size}")
+        if self.selector_top_k > vocab_size:
+            raise ValueError(f"draft config.json dflash_config.selector_top_k {self.selector_top_k} exceeds "
+                             f"vocab_size {vocab_size}")
+        if draft_vocab_size is not None:
+            raise ValueError(f"draft config.json draft_vocab_size {draft_vocab_size}: a DFlash 2 draft proposes "
+                             "over the target's whole vocabulary (its selector's codebooks are indexed by it)")
+
+
+def read_dflash2_config(dflash: dict[str, object]) -> DFlash2Config:
+    """The DFlash 2 keys of a config's `dflash_config`; ValueError naming a missing one."""
+    values = {}
+    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        value = dflash.get(name)
+        if value is None:
+            raise ValueError(f"draft config.json lacks dflash_config.{name} (a DFlash 2 draft needs it)")
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"draft config.json dflash_config.{name} must be an integer, got {value!r}")
+        values[name] = value
+    return DFlash2Config(**values)  # type: ignore[arg-type]
+
+
 @dataclass
 class DraftConfig:
     """The fields of a z-lab DFlash draft `config.json` that the draft model uses."""
@@ -82,6 +121,7 @@ class DraftConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
     draft_vocab_size: int | None = None  # a reduced vocabulary with the draft's own head (None: the target's head)
+    dflash2: DFlash2Config | None = None  # a DFlash 2 draft's convolution and candidate selector (None: DFlash)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -93,6 +133,8 @@ class DraftConfig:
             self.target_layer_ids = build_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
         if self.draft_vocab_size is not None and int(self.draft_vocab_size) == self.vocab_size:
             self.draft_vocab_size = None  # the full vocabulary: the target's own head
+        if self.dflash2 is not None:
+            self.dflash2.check(self.hidden_size, self.vocab_size, self.draft_vocab_size)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DraftConfig:
@@ -138,6 +180,7 @@ class DraftConfig:
             output_multiplier=float(pick("output_multiplier", 1.0)),
             final_logit_softcapping=pick("final_logit_softcapping"),
             draft_vocab_size=None if raw.get("draft_vocab_size") is None else int(raw["draft_vocab_size"]),
+            dflash2=read_dflash2_config(dflash) if DFLASH2_ARCHITECTURE in (raw.get("architectures") or []) else None,
             extra={k: v for k, v in raw.items() if k in ("bos_token_id", "eos_token_id", "torch_dtype", "dtype")},
         )
 
@@ -149,21 +192,24 @@ class DraftConfig:
             path = path / "config.json"
         raw = json.loads(path.read_text())
         archs = raw.get("architectures") or []
-        if DRAFT_ARCHITECTURE not in archs:
-            raise ValueError(f"{path}: architectures is {archs}, expected ['{DRAFT_ARCHITECTURE}']")
+        if DRAFT_ARCHITECTURE not in archs and DFLASH2_ARCHITECTURE not in archs:
+            raise ValueError(f"{path}: architectures is {archs}, expected ['{DRAFT_ARCHITECTURE}'] or "
+                             f"['{DFLASH2_ARCHITECTURE}']")
         return cls.from_dict(raw)
 
     def to_dict(self) -> dict[str, Any]:
         """The z-lab `config.json` layout (what a published DFlash checkpoint carries)."""
         d = asdict(self)
         d.pop("extra")
+        dflash2 = d.pop("dflash2")
         out: dict[str, Any] = {
-            "architectures": [DRAFT_ARCHITECTURE],
+            "architectures": [DRAFT_ARCHITECTURE if dflash2 is None else DFLASH2_ARCHITECTURE],
             "model_type": "qwen3",
             "block_size": d.pop("block_size"),
             "dflash_config": {
                 "mask_token_id": d.pop("mask_token_id"),
                 "target_layer_ids": d.pop("target_layer_ids"),
+                **(dflash2 or {}),
             },
         }
         for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):

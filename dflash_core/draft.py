@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_core.config import DraftConfig
+from dflash_core.dflash2 import CandidateSelector, GroupedDynamicConv
 from dflash_core.draft_cache import DraftKVCache, PagedBatch, gather_blocks, write_context_rows
 from dflash_core.draft_formats import read_draft_config, read_draft_weights
 from dflash_core.layers import RMSNorm, RopeFrequencies, apply_rope, pack_linears, rms_norm, rope_inv_freq
@@ -137,10 +138,20 @@ class DraftLayer(nn.Module):
         self.mlp = DraftMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # DFlash 2: each sublayer's query rows convolved before and after it (`dflash_core.dflash2`)
+        self.attention_conv = self.mlp_conv = None
+        if cfg.dflash2 is not None:
+            self.attention_conv = GroupedDynamicConv(cfg.hidden_size, cfg.dflash2)
+            self.mlp_conv = GroupedDynamicConv(cfg.hidden_size, cfg.dflash2)
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask):  # noqa: ANN001, ANN201 - hot path, types as in DraftModel
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.attention_conv is None or self.mlp_conv is None:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        h, kernel = self.attention_conv.prepare(self.input_layernorm(x))
+        x = x + self.attention_conv.finish(self.self_attn(h, cos, sin, ctx_k, ctx_v, mask), kernel)
+        h, kernel = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(h), kernel)
 
 
 def layer_region(
@@ -198,6 +209,10 @@ class DFlashDraft(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         d2t = None if cfg.draft_vocab_size is None else torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
         self.register_buffer("d2t", d2t)
+        # DFlash 2: the proposal is a path through each position's candidates (`dflash_core.dflash2`)
+        self.candidate_selector = None
+        if cfg.dflash2 is not None:
+            self.candidate_selector = CandidateSelector(cfg.hidden_size, cfg.vocab_size, cfg.dflash2)
         # RoPE frequencies: buffers, so that `.to(device)` moves them (a compiled step must find no CPU tensor);
         # out of the state dict, and kept float32 by `.to(dtype)` (`_apply`).
         rope = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings,
@@ -270,6 +285,21 @@ class DFlashDraft(nn.Module):
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def choose(
+        self, hidden: torch.Tensor, first: torch.Tensor, lm_head_weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The proposal at each block row, as target ids [b, w], with the draft's probability of it: the argmax of
+        its distribution, or (DFlash 2) its selector's path through the candidates. hidden [b, w, H] (`forward`),
+        first [b] the block's first tokens; column 0 (the known token) is no proposal."""
+        b, w = hidden.shape[0], hidden.shape[1]
+        # every row of the block, flattened to 2-D (a view): a 3-D matmul, or a reshape of sliced rows, decides its
+        # path on whether a dimension is 1
+        logits = self.logits(hidden.reshape(b * w, hidden.shape[-1]), lm_head_weight).float()
+        if self.candidate_selector is not None:
+            return self.candidate_selector.walk(hidden, logits.view(b, w, -1), first)
+        prob, best = torch.softmax(logits, dim=-1).max(dim=-1)
+        return self.target_ids(best.view(b, w)), prob.view(b, w)
 
     def target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids of `logits`' vocabulary as target ids: target id = draft id + d2t[draft id]."""

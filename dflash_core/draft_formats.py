@@ -3,13 +3,15 @@
 Two layouts load unchanged:
 
 - **z-lab** (`architectures: ["DFlashDraftModel"]`, `dflash_config`): what z-lab publishes and `DFlashDraft.save`
-  writes. The draft shares the target's embeddings and output head.
+  writes. The draft shares the target's embeddings and output head. `["DFlash2DraftModel"]` is a DFlash 2 draft:
+  `dflash_config` adds its convolution and selector keys (`dflash_core.dflash2`).
 - **speculators** (`speculators_model_type: "dflash"`): what the `speculators` library trains and vLLM reads. The
   Qwen3-style layers are described by `transformer_layer_config`; `aux_hidden_state_layer_ids` index the target's
   hidden states (hidden state a is the output of layer a - 1, so our target layer id is a - 1, as vLLM maps it);
   `block_size` and `mask_token_id` sit at top level. A reduced `draft_vocab_size` comes with the draft's own
   `lm_head.weight` [draft_vocab, H], `d2t` (target id = draft id + d2t[draft id]) and `t2d` (a bool mask over the
-  target vocabulary). The layer tensors have z-lab's names.
+  target vocabulary). The layer tensors have z-lab's names. `speculators_model_type: "dflash2"` is a DFlash 2 draft,
+  its keys at the top level or in a `dflash_config`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 import torch
 
-from dflash_core.config import DRAFT_ARCHITECTURE, DraftConfig
+from dflash_core.config import DFLASH2_ARCHITECTURE, DRAFT_ARCHITECTURE, DraftConfig
 
 ZLAB, SPECULATORS = "z-lab", "speculators"
 # Tensors a checkpoint may carry that the draft does not use: the target's embeddings, head and final norm (the
@@ -40,10 +42,11 @@ def draft_format(raw: dict[str, Any], where: str | Path) -> str:
     if "speculators_model_type" in raw:
         return SPECULATORS
     archs = raw.get("architectures") or []
-    if DRAFT_ARCHITECTURE in archs:
+    if DRAFT_ARCHITECTURE in archs or DFLASH2_ARCHITECTURE in archs:
         return ZLAB
     raise ValueError(f"{where}: unknown draft format: no speculators_model_type (speculators format) and "
-                     f"architectures is {archs}, expected ['{DRAFT_ARCHITECTURE}'] (z-lab format)")
+                     f"architectures is {archs}, expected ['{DRAFT_ARCHITECTURE}'] or ['{DFLASH2_ARCHITECTURE}'] "
+                     f"(z-lab format)")
 
 
 def read_draft_config(folder: str | Path) -> DraftConfig:
@@ -58,8 +61,9 @@ def read_draft_config(folder: str | Path) -> DraftConfig:
 def speculators_config(raw: dict[str, Any], where: str | Path = "config.json") -> DraftConfig:
     """Translate a speculators DFlash config; a variant this draft cannot run is a ValueError naming its field."""
     kind = raw.get("speculators_model_type")
-    if kind != "dflash":
-        raise ValueError(f"{where}: speculators_model_type {kind!r} is not a DFlash draft (only 'dflash' loads)")
+    if kind not in ("dflash", "dflash2"):
+        raise ValueError(f"{where}: speculators_model_type {kind!r} is not a DFlash draft (only 'dflash' and "
+                         f"'dflash2' load)")
     layer = raw.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise ValueError(f"{where}: speculators config lacks transformer_layer_config")
@@ -94,10 +98,20 @@ def speculators_config(raw: dict[str, Any], where: str | Path = "config.json") -
         # full-attention layers are bidirectional; sliding ones causal unless sliding_window_non_causal
         is_causal=False if raw.get("sliding_window_non_causal") else None,
         dflash_config={"mask_token_id": raw["mask_token_id"], "target_layer_ids": [int(a) - 1 for a in aux],
-                       "block_size": raw.get("block_size", 8)},
+                       "block_size": raw.get("block_size", 8), **_dflash2_keys(raw)},
         draft_vocab_size=raw.get("draft_vocab_size"),
     )
+    if kind == "dflash2":  # DFlash 2's convolution and selector: the z-lab architecture reads their keys
+        zlab["architectures"] = [DFLASH2_ARCHITECTURE]
     return replace(DraftConfig.from_dict(zlab), num_target_layers=None)
+
+
+def _dflash2_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    """A speculators config's DFlash 2 keys (conv_*, selector_*), at its top level or in a `dflash_config`."""
+    nested = raw.get("dflash_config") if isinstance(raw.get("dflash_config"), dict) else {}
+    names = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "input_embedding_scale",
+             "output_multiplier", "final_logit_softcapping")
+    return {n: nested.get(n, raw.get(n)) for n in names if nested.get(n, raw.get(n)) is not None}
 
 
 def read_draft_weights(folder: str | Path, cfg: DraftConfig) -> dict[str, torch.Tensor]:

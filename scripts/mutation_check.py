@@ -161,6 +161,12 @@ MUTATIONS: tuple[Mutation, ...] = (
       "tests/test_processors.py"),
     m("grammar_does_not_cut_the_proposal", ACCEPT, "Engine._grammar_cut",
       "return proposals[: req.grammar.walk(proposals)]", "return proposals", "tests/test_grammar.py"),
+    # DFlash 2: the convolution and the candidate selector
+    m("dflash2_conv_without_the_previous_row", "dflash_core/dflash2.py", "GroupedDynamicConv._conv",
+      "out = out + kernel[:, :, t] * F.pad(x, (0, 0, t, 0))[:, :q]", "out = out + kernel[:, :, t] * x",
+      "tests/test_dflash2.py"),
+    m("dflash2_selector_ignores_the_predecessor", "dflash_core/dflash2.py", "CandidateSelector.walk",
+      "scores = unary[:, pos] + pair", "scores = unary[:, pos] + 0 * pair", "tests/test_dflash2.py"),
     # replacing the draft while serving
     m("swap_keeps_the_old_drafts_weights", DRAFTER, "DFlashDrafter.replace_draft",
       "tensor.copy_(new[name])", "pass", "tests/test_draft_swap.py"),

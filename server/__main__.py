@@ -111,10 +111,22 @@ def preflight(settings: Settings) -> str | None:
 
 
 def _adapt_problem(settings: Settings) -> str | None:
-    """--adapt-draft trains from the draft's folder (a hub id is not one)."""
-    if settings.adapt_draft and settings.draft is not None and not Path(settings.draft).expanduser().is_dir():
+    """--adapt-draft trains from the draft's folder (a hub id is not one), and a DFlash draft only."""
+    if not settings.adapt_draft:
+        return None
+    from dflash_core.draft_formats import read_draft_config
+    from dflash_core.loading import DEMO_DRAFT
+
+    draft = Path(settings.draft).expanduser() if settings.draft is not None else DEMO_DRAFT
+    if not draft.is_dir():
         return (f"--adapt-draft: the draft {settings.draft} is not a local folder (dflash-train --init-draft reads "
                 f"one): download it and pass the folder")
+    try:
+        dflash2 = read_draft_config(draft).dflash2 is not None
+    except (OSError, ValueError) as exc:
+        return f"--draft {draft}: {exc}"
+    if dflash2:
+        return "--adapt-draft: the draft is a DFlash 2 draft, which dflash-train cannot fine-tune (DFlash drafts only)"
     return None
 
 

@@ -43,6 +43,8 @@ SLOW_FILES = {
     "test_shutdown.py": "gated server processes drained by SIGTERM",
     "test_connections.py": "a server process and connection floods",
     "test_backends_matrix.py": "every family x backend x block size (test_engine.py keeps three families fast)",
+    "test_adapt.py": "a server adapting its draft: dflash-train in a child process, two drafts measured",
+    "test_draft_swap_server.py": "a gated server process whose draft is swapped under load",
 }
 SLOW_TESTS = {
     "test_sampling_reference.py::test_accepted_tokens_follow_the_exact_target_law": "scipy's chi-square test",

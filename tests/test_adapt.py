@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from dflash_core import LLM, SamplingParams
 from dflash_core.demo.code_prefixes import code_prefixes
@@ -17,7 +16,6 @@ from server.adapt import count_records
 from tests.helpers import noisy_demo_draft
 from tests.server_fixtures import start_server
 
-pytestmark = pytest.mark.slow
 BOUND_S = 240.0  # an upper bound of the cycle (training, then both drafts measured), never a pass condition
 MAX_TOKENS = 40
 

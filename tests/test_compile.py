@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 from dflash_core.compile import StaticShapes, default_batch_sizes, key_buckets, kv_bucket, parse_sizes
-from dflash_core.config import DraftConfig
+from dflash_core.config import DFlash2Config, DraftConfig
 from dflash_core.draft import DFlashDraft
 from dflash_core.runners.base import DraftRequest
 from dflash_core.runners.drafter import DFlashDrafter
@@ -217,6 +218,33 @@ def _proposals(model, draft, static: StaticShapes | None) -> list:
     if graphs is not None:
         assert _graphs() == graphs  # nothing compiled after warm-up, at any key bucket
     return outs
+
+
+@pytest.fixture(scope="module")
+def dflash2_draft(draft):
+    """`draft` with DFlash 2's convolution and candidate selector, random."""
+    cfg = replace(draft.cfg, dflash2=DFlash2Config(conv_kernel_size=2, conv_group_size=16, selector_rank=8,
+                                                   selector_top_k=4))
+    torch.manual_seed(5)
+    out = DFlashDraft(cfg).eval()
+    out.load_state_dict(draft.state_dict(), strict=False)
+    with torch.no_grad():
+        for name, p in out.named_parameters():
+            if "conv" in name or "candidate_selector" in name:
+                p.copy_(0.1 * torch.randn(p.shape))
+    return out
+
+
+def test_dflash2_draft_compiled_equals_eager(model, dflash2_draft):
+    """A DFlash 2 draft under the step scope: its selector walks eagerly around the compiled layer region."""
+    eager = _proposals(model, dflash2_draft, None)
+    shapes = StaticShapes(batch_sizes=(1, 2, 4), widths=(1, 2, 4, 8), compiled=True, scope="step")
+    compiled = _proposals(model, dflash2_draft, shapes)
+    assert sum(shapes.calls.values()) == len(_DRAFT_STEPS)
+    for e_step, c_step in zip(eager, compiled, strict=True):
+        for e, c in zip(e_step, c_step, strict=True):
+            assert c.tokens == e.tokens
+            assert c.confidence == pytest.approx(e.confidence, rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.parametrize("scope", ["layer", "step"])

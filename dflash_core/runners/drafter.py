@@ -96,7 +96,8 @@ class DFlashDrafter(Drafter):
             assert self.pages is not None
             for t in (*self.pages.k, *self.pages.v):
                 torch._dynamo.mark_static_address(t)  # mutated in place by a CUDA graph
-            if self.static.by_layer(target.device):
+            # a DFlash 2 selector walks the block's positions in Python: it runs eagerly, around the layer region
+            if self.static.by_layer(target.device) or draft.candidate_selector is not None:
                 # the step runs eagerly around ONE compiled layer region that every layer calls with its own
                 # weights and cache tensors: (layer, x, cos_q, sin_q, ctx, cos_c, sin_c, kc, vc, rows, table, mask)
                 dims = {1: (0, 1), 2: (0, 1), 3: (0, 1), 4: (0, 1), 5: (0, 1), 6: (0, 1), 9: (0, 1), 10: (0, 1),
@@ -246,12 +247,7 @@ class DFlashDrafter(Drafter):
             hidden = self.draft.forward_paged_by_layer(emb, block_pos, ctx, ctx_pos, cache, self._region, **lens)
         else:
             hidden = self.draft(emb, block_pos, ctx, ctx_pos, cache, **lens)
-        b, w = block.shape
-        # every row of the block, flattened to 2-D (a view): a 3-D matmul, or a reshape of sliced rows, decides its
-        # path on whether a dimension is 1
-        rows = hidden.reshape(b * w, hidden.shape[-1])
-        prob, best = torch.softmax(self.draft.logits(rows, self.target.lm_head_weight).float(), dim=-1).max(dim=-1)
-        return self.draft.target_ids(best.view(b, w)), prob.view(b, w)
+        return self.draft.choose(hidden, block[:, 0], self.target.lm_head_weight)
 
     @staticmethod
     def _read_back(best: torch.Tensor, prob: torch.Tensor, items: Sequence[DraftRequest]) -> list[Proposal]:

@@ -68,6 +68,9 @@ def check_init_draft(cfg: Any, model: Any, num_layers: int) -> None:
     """UsageError (the field) when `--init-draft`'s config does not fit the target (the server's start-up check)."""
     from dflash_core.loading import check_pair
 
+    if cfg.dflash2 is not None:  # its selector's training is not public; the convolution's block layout neither
+        raise UsageError("--init-draft: a DFlash 2 draft cannot be trained here (how its candidate selector is "
+                         "trained is not public): dflash-train continues DFlash drafts only")
     target = SimpleNamespace(hidden_size=int(model.config.get_text_config().hidden_size),
                              vocab_size=int(model.get_input_embeddings().weight.shape[0]), num_layers=num_layers)
     try:
