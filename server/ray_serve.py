@@ -301,7 +301,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Settings, ScaleOut]:
     known, rest = scale_parser.parse_known_args(args)
     scale = ScaleOut(**{k: v for k, v in vars(known).items() if v is not None})
     scale.validate()
-    return resolve_settings(rest), scale
+    settings = resolve_settings(rest)
+    if settings.adapt_draft:  # every replica would train and swap on its own, into one folder
+        raise ValueError("--adapt-draft is for one dflash-serve process: under Ray Serve, train with dflash-train "
+                         "and redeploy with the new draft")
+    return settings, scale
 
 
 def serve_forever(settings: Settings, scale: ScaleOut) -> int:

@@ -551,7 +551,8 @@ def test_prompt_file_errors_name_the_line(tmp_path: Path) -> None:
     assert a.messages == [{"role": "user", "content": "hi"}] and a.source == "p"
     assert b.messages == [{"role": "user", "content": "q"}]  # the trailing assistant message is dropped
     path.write_text('{"prompt": "hi"}\n\n{"text": "no prompt"}\n')
-    with pytest.raises(bench.BenchError, match=f"{path}:3: expected 'messages', 'prompt' or 'turns'"):
+    expected = f"{path}:3: expected 'messages', 'prompt', 'turns' or 'prompt_token_ids'"
+    with pytest.raises(bench.BenchError, match=expected):
         bench.load_prompts(str(path), None)
     path.write_text('{"prompt": "hi"}\n\nnot json\n')
     with pytest.raises(bench.BenchError, match=f"{path}:3: not valid JSON"):

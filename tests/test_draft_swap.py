@@ -88,3 +88,36 @@ def test_a_draft_of_another_shape_is_refused_and_nothing_changes(tmp_path: Path)
 def test_an_engine_without_a_draft_has_none_to_replace() -> None:
     with pytest.raises(ValueError, match="without a draft"):
         engine("native", speculative=False).swap_draft(DFlashDraft.from_folder(DEMO_DRAFT))
+
+
+@pytest.mark.parametrize("arch, backend", [("qwen3_5", "native"), ("qwen3", "generic")])
+def test_a_swap_on_a_hybrid_and_on_the_generic_runner_changes_no_token(tmp_path: Path, arch: str,
+                                                                        backend: str) -> None:
+    """The restart path of a hybrid target (recurrent state recomputed, prefix checkpoints dropped) and of the
+    generic runner: output equal to plain decoding across a swap."""
+    from tests.helpers import make_draft, make_tiny_pair
+
+    target, draft = make_tiny_pair(tmp_path, arch=arch)
+    new = make_draft(tmp_path / "new-draft", vocab_size=DFlashDraft.from_folder(draft).cfg.vocab_size, seed=7)
+
+    def load(speculative: bool) -> Engine:
+        return load_models(EngineConfig(target=str(target), draft=str(draft), backend=backend, speculative=speculative,
+                                        speculation="fixed", device="cpu", dtype="float32",
+                                        max_model_len=512)).engine
+
+    prompts = [[1, 40, 200, 7], list(range(30, 90)), [5] * 3, list(range(100, 300, 3))]
+    params = [SamplingParams(max_tokens=24, ignore_eos=True)] * 2 + [
+        SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.9, seed=2)] * 2
+    plain = [o.token_ids for o in run_to_completion(load(False), prompts, params)]
+    eng = load(True)
+    ids = [eng.add_request(p, q) for p, q in zip(prompts, params)]
+    outputs: dict[int, list[int]] = {i: [] for i in ids}
+    for step in range(10_000):
+        if not any(eng.is_running(i) for i in ids):
+            break
+        if step == 3:
+            assert eng.swap_draft(new) == len(prompts)
+        for out in eng.step():
+            outputs[out.request_id] += out.new_token_ids
+    assert [outputs[i] for i in ids] == plain
+    assert eng.draft_version == 2

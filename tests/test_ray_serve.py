@@ -204,7 +204,8 @@ def test_cli_parses_scale_flags_and_refuses_bad_ones() -> None:
     settings, scale = parse_args(["--target", "/models/t", "--replicas", "2"])
     assert settings.target == "/models/t" and scale.target_ongoing_requests is None
     bad_lines = (["--replicas", "0"], ["--replicas", "x"], ["--min-replicas", "2"],
-                 ["--replicas", "5", "--max-replicas", "2"])
+                 ["--replicas", "5", "--max-replicas", "2"],
+                 ["--record-traffic", "/tmp/records", "--adapt-draft"])  # each replica would train on its own
     for bad in bad_lines:
         with pytest.raises(ValueError):
             parse_args(bad)
