@@ -66,7 +66,7 @@ class DFlash2Config:
 
     def check(self, hidden_size: int, vocab_size: int, draft_vocab_size: int | None) -> None:
         """ValueError naming the field when this config cannot describe a draft of these sizes."""
-        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        for name in DFLASH2_KEYS:
             if getattr(self, name) < 1:
                 raise ValueError(f"draft config.json dflash_config.{name} must be >= 1, got {getattr(self, name)}")
         if hidden_size % self.conv_group_size:
@@ -80,10 +80,13 @@ class DFlash2Config:
                              "over the target's whole vocabulary (its selector's codebooks are indexed by it)")
 
 
+DFLASH2_KEYS = tuple(f.name for f in fields(DFlash2Config))  # the `dflash_config` keys a DFlash 2 draft adds
+
+
 def read_dflash2_config(dflash: dict[str, object]) -> DFlash2Config:
     """The DFlash 2 keys of a config's `dflash_config`; ValueError naming a missing one."""
     values = {}
-    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+    for name in DFLASH2_KEYS:
         value = dflash.get(name)
         if value is None:
             raise ValueError(f"draft config.json lacks dflash_config.{name} (a DFlash 2 draft needs it)")

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from dflash_core.config import DFLASH2_ARCHITECTURE, DRAFT_ARCHITECTURE, DraftConfig
+from dflash_core.config import DFLASH2_ARCHITECTURE, DFLASH2_KEYS, DRAFT_ARCHITECTURE, DraftConfig
 
 ZLAB, SPECULATORS = "z-lab", "speculators"
 # Tensors a checkpoint may carry that the draft does not use: the target's embeddings, head and final norm (the
@@ -109,9 +109,9 @@ def speculators_config(raw: dict[str, Any], where: str | Path = "config.json") -
 def _dflash2_keys(raw: dict[str, Any]) -> dict[str, Any]:
     """A speculators config's DFlash 2 keys (conv_*, selector_*), at its top level or in a `dflash_config`."""
     nested = raw.get("dflash_config") if isinstance(raw.get("dflash_config"), dict) else {}
-    names = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "input_embedding_scale",
-             "output_multiplier", "final_logit_softcapping")
-    return {n: nested.get(n, raw.get(n)) for n in names if nested.get(n, raw.get(n)) is not None}
+    names = (*DFLASH2_KEYS, "input_embedding_scale", "output_multiplier", "final_logit_softcapping")
+    found = {n: nested.get(n, raw.get(n)) for n in names}
+    return {n: v for n, v in found.items() if v is not None}
 
 
 def read_draft_weights(folder: str | Path, cfg: DraftConfig) -> dict[str, torch.Tensor]:

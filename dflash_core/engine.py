@@ -345,7 +345,7 @@ class Engine:
         token = choose_tokens(self._processed(req, out.logits, []), req.params, req.seed, len(req.prompt))
         req.position = len(req.prompt)
         self.scheduler.prefilled(req)
-        step = self._commit(req, token, out.logits, StepOutput(req.id, [], is_prefill=True))
+        step = commit_tokens(req, token, out.logits, StepOutput(req.id, [], is_prefill=True))
         self.memory.register(req)
         return step
 
@@ -422,8 +422,6 @@ class Engine:
                           speculative=self.drafter is not None)
         return done
 
-    _commit = staticmethod(commit_tokens)
-
     @staticmethod
     def _processed(req: EngineRequest, logits: torch.Tensor, proposals: list[int]) -> torch.Tensor:
         """The request's processed logits (`dflash_core.processors`): row i as plain decoding sees it after the
@@ -482,6 +480,6 @@ class Engine:
             verify_width=len(proposals) + 1,
         )
         # The accepted draft tokens (equal to the target's choices), then the target's own token after them.
-        step = self._commit(req, proposals[:accepted] + chosen[accepted : accepted + 1], out.logits, step)
+        step = commit_tokens(req, proposals[:accepted] + chosen[accepted : accepted + 1], out.logits, step)
         self.memory.register(req)
         return step

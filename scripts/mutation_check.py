@@ -185,8 +185,8 @@ MUTATIONS: tuple[Mutation, ...] = (
       "not hmac.compare_digest(token.strip().encode(), api_key.encode())", "not api_key.startswith(token.strip())",
       "tests/test_api_key.py"),
     Mutation("logprobs_of_processed_logits", ACCEPT, "Engine._prefilled, Engine._accept", (
-        ("self._commit(req, token, out.logits, StepOutput(req.id, [], is_prefill=True))",
-         "self._commit(req, token, self._processed(req, out.logits, []), StepOutput(req.id, [], is_prefill=True))"),
+        ("commit_tokens(req, token, out.logits, StepOutput(req.id, [], is_prefill=True))",
+         "commit_tokens(req, token, self._processed(req, out.logits, []), StepOutput(req.id, [], is_prefill=True))"),
         ("proposals[:accepted] + chosen[accepted : accepted + 1], out.logits, step)",
          "proposals[:accepted] + chosen[accepted : accepted + 1], self._processed(req, out.logits, proposals), step)"),
     ), ("tests/test_processors.py::test_logprobs_are_the_raw_model_distribution_under_every_control",)),

@@ -139,7 +139,7 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
             "root": display_name(models.target_name),
             "max_model_len": models.engine.max_model_len,
             "dflash": {"draft": display_name(models.draft_name) or None, "block_size": models.block_size,
-                       "draft_version": state.swapper.version if state.swapper is not None else None},
+                       "draft_version": models.engine.draft_version},
         }
 
     @app.get("/v1/models")

@@ -62,8 +62,16 @@ class DraftSwapper:
         """`display`: a folder's name in the metrics (``server.state.display_name``)."""
         self._models, self._worker, self._metrics, self._display = models, worker, metrics, display
         self._lock = threading.Lock()
-        self.version = 1  # the draft loaded at start
-        self.current = models.draft_name  # the folder serving (None: no draft)
+
+    @property
+    def version(self) -> int:
+        """The serving draft's version (the engine's count: 1 at start, one more per swap)."""
+        return self._models.engine.draft_version
+
+    @property
+    def current(self) -> str | None:
+        """The folder of the serving draft (None: no draft)."""
+        return self._models.draft_name
 
     def swap(self, folder: str | None = None) -> SwapResult:
         """Serve with the draft in `folder` (None: read the serving folder again, as SIGHUP does); DraftSwapError
@@ -83,9 +91,9 @@ class DraftSwapper:
         draft = self._load(folder)
         loaded = time.perf_counter()
         engine, name = self._models.engine, self._display(folder)
+        before = engine.draft_version  # one swap at a time: only this one can move it on
 
         def swap_in() -> int:  # on the worker thread, between two steps
-            before = engine.draft_version
             try:
                 return engine.swap_draft(draft)
             finally:
@@ -103,31 +111,28 @@ class DraftSwapper:
             raise DraftSwapError("the server is shutting down: the draft was not swapped", 503) from None
         except Exception:
             pass  # `_outcome` says what it was
-        restarted = self._outcome(done, folder)  # taken by the worker: done, or finishing now
+        restarted = self._outcome(done, folder, before)  # taken by the worker: done, or finishing now
         result = SwapResult(folder, engine.draft_version, restarted, loaded - t0, time.perf_counter() - loaded)
         log.info("draft swapped: %s is draft_version %d (loaded in %.2f s, swapped in %.3f s, %d request(s) "
                  "restarted)", folder, result.draft_version, result.load_seconds, result.swap_seconds, restarted)
         return result
 
-    def _outcome(self, done: Future[int], folder: str) -> int:
-        """The requests the swap restarted; DraftSwapError when it failed (what changed, said)."""
+    def _outcome(self, done: Future[int], folder: str, before: int) -> int:
+        """The requests the swap restarted; DraftSwapError when it failed (what changed, said). `before`: the
+        version before the swap."""
         try:
             restarted = done.result()
         except ValueError as exc:  # the engine refused it (another shape): nothing changed
             raise DraftSwapError(f"the draft at {folder} cannot replace the serving one: {exc}") from None
         except Exception as exc:
             log.exception("draft swap failed")
-            if self._models.engine.draft_version != self.version:  # the weights were copied in: they serve
-                self._serving(folder)
+            if self.version != before:  # the weights were copied in: they serve
+                self._models.draft_name = folder
                 raise DraftSwapError(f"the draft at {folder} serves (draft_version {self.version}), but restarting "
                                      f"the running requests failed: {type(exc).__name__}: {exc}", 500) from None
             raise DraftSwapError(f"the draft swap failed: {type(exc).__name__}: {exc}", 500) from None
-        self._serving(folder)
-        return restarted
-
-    def _serving(self, folder: str) -> None:
-        self.version, self.current = self._models.engine.draft_version, folder
         self._models.draft_name = folder
+        return restarted
 
     def _load(self, folder: str) -> DFlashDraft:
         """The draft in `folder`, checked against the target as at start-up, on the CPU (the worker copies it)."""
