@@ -43,6 +43,10 @@ class ServingEngine(Protocol):
     def block_size(self) -> int:
         """Draft block size (1: plain decoding), reported by /v1/models and the metrics."""
 
+    @property
+    def draft_version(self) -> int:
+        """The draft proposing: 1 at start, one more per swap (/v1/models and the admin API show it)."""
+
     def estimated_speedup(self) -> float | None:
         """Estimated speedup over plain decoding at the current load (None: not measured yet)."""
 

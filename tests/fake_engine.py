@@ -92,6 +92,7 @@ class FakeEngine:
     default: Script = field(default_factory=lambda: Script(["ok"]))
     eos_token_ids: list[int] = field(default_factory=list)
     drafter: None = None  # the engine's attribute; a fake has no draft model
+    draft_version: int = 1  # the engine's attribute: the draft proposing (/v1/models shows it)
     grammar: GrammarBackend | None = None  # the app compiles constraints with it; the fake only keeps them
     added: list[int] = field(default_factory=list)  # request ids, in admission order
     prompts: dict[int, str] = field(default_factory=dict)  # request id -> decoded prompt
