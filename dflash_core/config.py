@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_core.kv.pool import DEFAULT_KV_BLOCK
+from dflash_core.speculation import POLICIES
 
 DRAFT_ARCHITECTURE = "DFlashDraftModel"
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
@@ -257,6 +258,7 @@ class DraftConfig:
 
 
 BACKENDS = ("auto", "native", "generic", "hf")
+SPEC_SAMPLING = ("keyed", "rejection")  # how a sampled request accepts draft tokens (`dflash_core.rejection`)
 COMPILE_SCOPES = ("layer", "step")  # what one compiled graph holds (`dflash_core.compile.default_scope`)
 
 
@@ -346,7 +348,20 @@ class EngineConfig:
         "as vLLM)")
     speculation: str = _setting(
         "adaptive", "verify width policy: adaptive (per step, from the draft's confidence and the measured step "
-        "costs: narrower under load, plain steps where drafting does not pay) or fixed (always the full block)")
+        "costs: narrower under load, plain steps where drafting does not pay, a tree where it pays more than the "
+        "chain), fixed (always the full block) or tree (a tree of the tree budget's draft nodes every step, where "
+        "the backend verifies trees)")
+    tree_budget: int = _setting(
+        32, "the most draft nodes a verified tree holds: the top prefixes of the draft's per-position candidates, "
+        "verified in one row (native backend, DFlash drafts, requests without logits processing; --speculation "
+        "tree: every tree's size; adaptive: the largest it weighs; 0: chains only)")
+    spec_sampling: str = _setting(
+        "keyed", "how a sampled request (temperature > 0) accepts draft tokens: keyed (the target's own "
+        "position-keyed draw must equal the draft's token: seeded text is the same with and without speculation) "
+        "or rejection (the draft's tokens drawn from its distribution and accepted with probability min(1, p/q), "
+        "the residual drawn on a rejection: the target's distribution exactly, more tokens accepted when the draft's "
+        "distribution is close to the target's, seeded text depends on the speculation; requests with structured "
+        "output stay keyed)")
     max_num_batched_tokens: int | None = _setting(
         2048, "token budget of one engine step: prefill chunks plus verify tokens; as vLLM's")
     prefill_chunk: int | None = _setting(
@@ -391,8 +406,14 @@ class EngineConfig:
                 raise ValueError("set one of kv_cache_memory and gpu_memory_utilization, not both")
         if self.compile_scope not in (None, *COMPILE_SCOPES):
             raise ValueError(f"compile_scope must be one of {', '.join(COMPILE_SCOPES)}, got {self.compile_scope!r}")
-        if self.speculation not in ("adaptive", "fixed"):
-            raise ValueError(f"speculation must be adaptive or fixed, got {self.speculation!r}")
+        if self.speculation not in POLICIES:
+            raise ValueError(f"speculation must be one of {', '.join(POLICIES)}, got {self.speculation!r}")
+        if isinstance(self.tree_budget, bool) or not isinstance(self.tree_budget, int) or self.tree_budget < 0:
+            raise ValueError(f"tree_budget must be a non-negative integer, got {self.tree_budget!r}")
+        if self.speculation == "tree" and not self.tree_budget:
+            raise ValueError("speculation tree needs a tree_budget of at least 1")
+        if self.spec_sampling not in SPEC_SAMPLING:
+            raise ValueError(f"spec_sampling must be one of {', '.join(SPEC_SAMPLING)}, got {self.spec_sampling!r}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= self.max_running_requests:
             raise ValueError("max_num_batched_tokens must exceed max_running_requests (every running request "
                              "verifies at least one token per step)")

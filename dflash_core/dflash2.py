@@ -17,11 +17,17 @@ its attention may be non-causal within a sliding window: those are `DraftConfig`
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dflash_core.config import DFlash2Config
+from dflash_core.sampling import race_among
+
+if TYPE_CHECKING:
+    from dflash_core.draft_sampling import RowSampling
 
 
 class GroupedDynamicConv(nn.Module):
@@ -64,6 +70,11 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Parameter(torch.zeros(vocab_size, cfg.selector_rank))
         self.hidden_projection = nn.Linear(hidden_size, cfg.selector_rank, bias=False)
 
+    def _pair(self, hp: torch.Tensor, pred: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+        """The low-rank term of candidates cand [b, K] after the tokens pred [b]: hp [b, r] the row's projection."""
+        a, s = self.predecessor_codebook.float(), self.successor_codebook.float()
+        return torch.einsum("br,bkr->bk", a[pred] * hp, s[cand])
+
     def walk(
         self, hidden: torch.Tensor, logits: torch.Tensor, first: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,12 +85,33 @@ class CandidateSelector(nn.Module):
         b, w, _ = logits.shape
         unary, cand = torch.topk(logits.float(), self.top_k, dim=-1)  # [b, w, K]
         hp = self.hidden_projection(hidden).float()  # [b, w, r]
-        a, s = self.predecessor_codebook.float(), self.successor_codebook.float()
         tokens, probs = [first], [torch.ones(b, device=logits.device)]
         for pos in range(1, w):
-            pair = torch.einsum("br,bkr->bk", a[tokens[-1]] * hp[:, pos], s[cand[:, pos]])
-            scores = unary[:, pos] + pair
+            scores = unary[:, pos] + self._pair(hp[:, pos], tokens[-1], cand[:, pos])
             best = scores.argmax(dim=-1)  # the first of equal scores
             tokens.append(cand[:, pos].gather(1, best[:, None]).squeeze(1))
             probs.append(torch.softmax(scores, dim=-1).gather(1, best[:, None]).squeeze(1))
         return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)
+
+    def sample_walk(
+        self, hidden: torch.Tensor, logits: torch.Tensor, first: torch.Tensor, rows: RowSampling,
+        positions: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`walk` drawing each position's token from its candidates' distribution (the scores processed with the
+        row's sampling parameters, `RowSampling`) by the keyed race of (the row's seed, its position [b, w]) over the
+        candidates' token ids. Returns the tokens [b, w], the confidences [b, w] (the largest probability of the
+        position's candidates by their logits alone: not of the token drawn before, nor of the one drawn) and the
+        distributions [b, w - 1, V] the proposals (columns 1 ..) were drawn from (zero outside the candidates)."""
+        b, w, vocab = logits.shape
+        unary, cand = torch.topk(logits.float(), self.top_k, dim=-1)  # [b, w, K]
+        hp = self.hidden_projection(hidden).float()
+        conf = rows.processed(unary.reshape(b * w, -1), repeat=w).amax(dim=-1).view(b, w)
+        dists = torch.zeros(b, w - 1, vocab, device=logits.device)
+        tokens = [first]
+        for pos in range(1, w):
+            q = rows.processed(unary[:, pos] + self._pair(hp[:, pos], tokens[-1], cand[:, pos]))
+            at = race_among(q, cand[:, pos], rows.seeds, positions[:, pos])
+            tokens.append(cand[:, pos].gather(1, at[:, None]).squeeze(1))
+            dists[:, pos - 1].scatter_(1, cand[:, pos], q)
+        conf[:, 0] = 1.0
+        return torch.stack(tokens, dim=1), conf, dists

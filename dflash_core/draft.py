@@ -18,6 +18,7 @@ from dflash_core.config import DraftConfig
 from dflash_core.dflash2 import CandidateSelector, GroupedDynamicConv
 from dflash_core.draft_cache import DraftKVCache, PagedBatch, gather_blocks, write_context_rows
 from dflash_core.draft_formats import read_draft_config, read_draft_weights
+from dflash_core.draft_sampling import RowSampling, sample_dense
 from dflash_core.layers import RMSNorm, RopeFrequencies, apply_rope, pack_linears, rms_norm, rope_inv_freq
 
 # (layer, x, cos_q, sin_q, ctx, cos_c, sin_c, kc, vc, rows, table, mask) -> x: `layer_region`, its kv_block bound
@@ -287,19 +288,41 @@ class DFlashDraft(nn.Module):
         return logits
 
     def choose(
-        self, hidden: torch.Tensor, first: torch.Tensor, lm_head_weight: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, hidden: torch.Tensor, first: torch.Tensor, lm_head_weight: torch.Tensor, top_k: int = 0
+    ) -> tuple[torch.Tensor, ...]:
         """The proposal at each block row, as target ids [b, w], with the draft's probability of it: the argmax of
         its distribution, or (DFlash 2) its selector's path through the candidates. hidden [b, w, H] (`forward`),
-        first [b] the block's first tokens; column 0 (the known token) is no proposal."""
+        first [b] the block's first tokens; column 0 (the known token) is no proposal. With `top_k` (DFlash only)
+        also each row's top_k candidates, target ids and log-probabilities [b, w, top_k], most likely first: a
+        tree's material (`dflash_core.tree`)."""
         b, w = hidden.shape[0], hidden.shape[1]
         # every row of the block, flattened to 2-D (a view): a 3-D matmul, or a reshape of sliced rows, decides its
         # path on whether a dimension is 1
         logits = self.logits(hidden.reshape(b * w, hidden.shape[-1]), lm_head_weight).float()
         if self.candidate_selector is not None:
             return self.candidate_selector.walk(hidden, logits.view(b, w, -1), first)
-        prob, best = torch.softmax(logits, dim=-1).max(dim=-1)
-        return self.target_ids(best.view(b, w)), prob.view(b, w)
+        probs = torch.softmax(logits, dim=-1)
+        prob, best = probs.max(dim=-1)
+        if not top_k:
+            return self.target_ids(best.view(b, w)), prob.view(b, w)
+        top = torch.topk(probs, min(top_k, probs.shape[-1]), dim=-1)
+        return (self.target_ids(best.view(b, w)), prob.view(b, w), self.target_ids(top.indices.view(b, w, -1)),
+                top.values.log().view(b, w, -1))
+
+    def sample(
+        self, hidden: torch.Tensor, first: torch.Tensor, lm_head_weight: torch.Tensor, rows: RowSampling,
+        positions: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`choose` drawing each proposal from the draft's processed distribution (`dflash_core.draft_sampling`):
+        rows of the block's requests (`RowSampling`), positions [b, w] of the block's tokens. Returns target ids
+        [b, w], confidences [b, w] and the distributions [b, w - 1, V] the proposals (columns 1 ..) were drawn
+        from."""
+        b, w = hidden.shape[0], hidden.shape[1]
+        logits = self.logits(hidden.reshape(b * w, hidden.shape[-1]), lm_head_weight).float().view(b, w, -1)
+        if self.candidate_selector is not None:
+            return self.candidate_selector.sample_walk(hidden, logits, first, rows, positions)
+        return sample_dense(logits, first, rows, positions, lm_head_weight.shape[0],
+                            None if self.d2t is None else self.target_ids)
 
     def target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids of `logits`' vocabulary as target ids: target id = draft id + d2t[draft id]."""

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from dflash_core.config import SPEC_SAMPLING
 from dflash_core.grammar import GrammarBackend, GrammarState
 from dflash_core.kv.manager import KVManager
 from dflash_core.kv.pool import KVStats
@@ -24,12 +25,11 @@ from dflash_core.kv.requests import RequestMemory
 from dflash_core.outputs import FINISH_ABORT, FINISH_ERROR, StepOutput
 from dflash_core.pace import DecodePace
 from dflash_core.processors import build_processor
+from dflash_core.rejection import draft_sampling, rejects
 from dflash_core.request_state import EngineRequest, checked_prompt, commit_tokens
 from dflash_core.runners.base import Drafter, DraftRequest, Proposal, TargetOutput, TargetRow, TargetRunner
 from dflash_core.sampling import (
-    Block,
     SamplingParams,
-    choose_step,
     choose_tokens,
     resolve_seed,
 )
@@ -37,6 +37,8 @@ from dflash_core.scheduler import Chunk, Scheduler
 from dflash_core.speculation import StepCosts, WidthPolicy
 from dflash_core.stats import RequestStats
 from dflash_core.timing import StepClock, device_timer
+from dflash_core.tree import TREE_TOP_K, DraftTree
+from dflash_core.verify import step_choices, verify_plans
 
 log = logging.getLogger("dflash.engine")
 
@@ -51,7 +53,10 @@ class Engine:
     short of blocks makes the newest running one give its memory back and be recomputed later, with the same output.
     `speculation` is the width policy ("fixed": the full block, the default here; "adaptive", the default of
     `EngineConfig`, see `dflash_core.speculation`); `max_num_batched_tokens` and `prefill_chunk` are the
-    scheduler's step budget and prefill chunk size (None: unbounded).
+    scheduler's step budget and prefill chunk size (None: unbounded). `spec_sampling` is how a sampled request
+    accepts draft tokens: "keyed" (the target's own position-keyed draw must equal the draft's argmax: seeded text
+    independent of speculation) or "rejection" (drawn drafts accepted with probability min(1, p / q):
+    `dflash_core.rejection`; structured requests stay keyed).
     """
 
     def __init__(
@@ -67,7 +72,12 @@ class Engine:
         prefill_chunk: int | None = None,
         grammar: GrammarBackend | None = None,
         enable_prefix_caching: bool = True,
+        spec_sampling: str = "keyed",
+        tree_budget: int = 0,
     ) -> None:
+        if spec_sampling not in SPEC_SAMPLING:
+            raise ValueError(f"spec_sampling must be one of {', '.join(SPEC_SAMPLING)}, got {spec_sampling!r}")
+        self.spec_sampling = spec_sampling
         self.target = target
         self.drafter = drafter
         self.draft_version = 1  # the draft proposing: 1 at start, one more per `swap_draft`
@@ -76,14 +86,16 @@ class Engine:
         if kv is None:  # engines that share a runner must share its KV memory: pass `kv`
             kv = KVManager.for_runners(target, drafter, max_slots, enable_prefix_caching)
         self.kv = kv
-        self.memory = RequestMemory(kv, target, drafter, self.block_size)
+        # a tree writes its nodes' keys at rows past the position, up to tree_budget of them (a chain: block_size - 1)
+        tree_budget = tree_budget if target.verifies_trees and drafter is not None else 0
+        self.memory = RequestMemory(kv, target, drafter, max(self.block_size, tree_budget + 1))
         self.eos_token_ids = list(eos_token_ids or [])
         self.max_model_len = int(max_model_len or target.max_position_embeddings)
         self._ids = itertools.count()
         self._active: dict[int, EngineRequest] = {}
         self._finished: OrderedDict[int, RequestStats] = OrderedDict()
         self.scheduler = Scheduler(self.memory.admit, max_num_batched_tokens, prefill_chunk)
-        self.policy = WidthPolicy(self.block_size, speculation, padded=target.pads_rows)
+        self.policy = WidthPolicy(self.block_size, speculation, padded=target.pads_rows, tree_budget=tree_budget)
         self.pace = DecodePace()  # decode step times, the speedup estimate
         self.clock = StepClock(device_timer(target.device))  # every cost sample: device time, read after a sync
 
@@ -274,19 +286,24 @@ class Engine:
         self.scheduler.preempted(req)
 
     def _forward_rows(
-        self, rows: list[TargetRow], features: bool, last_only: bool
+        self, rows: list[TargetRow], features: bool, last_only: bool, trees: list[DraftTree] | None = None
     ) -> list[TargetOutput | BaseException]:
-        """One batched target forward; if it fails, the rows one by one so the failure stays with its request."""
+        """One batched target forward (`trees`: the rows' trees, `forward_tree`); if it fails, the rows one by one
+        so the failure stays with its request."""
         try:
+            if trees is not None:
+                return list(self.target.forward_tree(rows, trees, features))
             return list(self.target.forward_batch(rows, features=features, last_only=last_only))
         except Exception:
             log.warning("batched target forward failed; retrying request by request", exc_info=True)
         outs: list[TargetOutput | BaseException] = []
-        for tokens, start, cache in rows:
+        for r, (tokens, start, cache) in enumerate(rows):
             try:
                 # Rows that ran before the failure already appended to their cache (hf): back to the start.
                 self.target.crop(cache, start)
-                outs.append(self.target.forward(tokens, start, cache, features=features, last_only=last_only))
+                row = TargetRow(tokens, start, cache)
+                outs.append(self.target.forward_tree([row], [trees[r]], features)[0] if trees is not None else
+                            self.target.forward(tokens, start, cache, features=features, last_only=last_only))
             except Exception as exc:
                 outs.append(exc)
         return outs
@@ -368,9 +385,11 @@ class Engine:
         items = [DraftRequest(r.draft_state, r.output[-1], r.position, n) for r, n in zip(reqs, wanted) if n > 0]
         if not items:
             return list(plans.values()), failed
+        sampling = [draft_sampling(self.spec_sampling, r.params, r.seed) for r in drafting]
+        candidates = TREE_TOP_K if self.policy.uses_trees else 0
         mark = self.clock.start()
         try:
-            for req, prop in zip(drafting, self.drafter.propose_scored(items)):
+            for req, prop in zip(drafting, self.drafter.propose_scored(items, sampling, candidates)):
                 plans[req.id] = (req, prop)
                 req.drafted = True
             self.clock.stop(mark, functools.partial(self.policy.costs.draft.add,
@@ -379,9 +398,9 @@ class Engine:
             return list(plans.values()), failed
         except Exception:  # find out which request it was: one by one
             log.warning("batched draft failed; retrying request by request", exc_info=True)
-        for req, item in zip(drafting, items):
+        for req, item, how in zip(drafting, items, sampling):
             try:
-                plans[req.id] = (req, self.drafter.propose_scored([item])[0])
+                plans[req.id] = (req, self.drafter.propose_scored([item], [how], candidates)[0])
                 req.drafted = True
             except Exception as exc:
                 del plans[req.id]
@@ -397,23 +416,32 @@ class Engine:
         if not proposed:
             return done
         keep = self.policy.widths([prop.confidence for _, prop in proposed], verify_budget)
-        plans = [(req, self._grammar_cut(req, prop.tokens[:k])) for (req, prop), k in zip(proposed, keep)]
-        rows = [TargetRow([req.output[-1], *props], req.position, req.cache) for req, props in plans]
+        # a tree: a request without logits processing whose draws are the target's own (not rejection sampling)
+        tree_ok = [req.processor is None and not rejects(self.spec_sampling, req.params) for req, _ in proposed]
+        room = [(self.target.max_len or self.max_model_len + self.block_size) - req.position - 1 for req, _ in proposed]
+        plans = verify_plans(proposed, keep, self.policy, tree_ok, room, verify_budget)
+        rows = [TargetRow(tree.tokens, req.position, req.cache) for req, tree in plans]
         mark = self.clock.start()
-        outs = self._forward_rows(rows, self.drafter is not None, last_only=False)
+        trees = [tree for _, tree in plans]
+        outs = self._forward_rows(rows, self.drafter is not None, False, None if all(t.is_chain for t in trees)
+                                  else trees)
         self.clock.stop(mark, functools.partial(self.policy.costs.target.add, self._forward_tokens(rows)))
         whole = self.clock.stop(whole)
-        choices = self._choices(plans, outs)  # the step's one host sync: costs are read after it
+        dists = {req.id: prop.dist for req, prop in proposed}
+        choices = step_choices(plans, outs, dists, self.spec_sampling)  # the step's one host sync
         self.clock.synced()
         now = time.perf_counter()
         committed = 0
         confidence = {req.id: prop.confidence for req, prop in proposed}
-        for (req, props), out, chosen in zip(plans, outs, choices):
+        for (req, tree), out, chosen in zip(plans, outs, choices):
             if isinstance(out, BaseException) or isinstance(chosen, BaseException):
                 done.append((req, self._error(req, out if isinstance(out, BaseException) else chosen)))
                 continue
-            step = self._guarded(req, self._accept, props, out, chosen)
-            self.policy.calibrate(confidence[req.id][: len(props)], step.num_accepted_tokens)
+            step = self._guarded(req, self._accept, tree, out, chosen)
+            if tree.is_chain:
+                self.policy.calibrate(confidence[req.id][: tree.size - 1], step.num_accepted_tokens)
+            else:
+                self.policy.calibrate_tree(tree.expected_accepted(), step.num_accepted_tokens)
             done.append((req, step))
             req.stats.decode_time += now - t0
             committed += step.acceptance_length
@@ -428,58 +456,33 @@ class Engine:
         output plus proposals[:i]. The raw logits stay for logprobs."""
         return logits if req.processor is None else req.processor.apply(logits, req.output, proposals)
 
-    @staticmethod
-    def _grammar_cut(req: EngineRequest, proposals: list[int]) -> list[int]:
-        """The proposals before the first one the grammar rejects: it could never be the target's choice."""
-        if req.grammar is None or not proposals:
-            return proposals
-        try:
-            return proposals[: req.grammar.walk(proposals)]
-        except Exception:  # verify without a draft; the grammar fails again in _accept, inside this request's guard
-            log.warning("request %d: grammar walk failed", req.id, exc_info=True)
-            return []
+    def _accept(self, req: EngineRequest, tree: DraftTree, out: TargetOutput, chosen: list[int]) -> StepOutput:
+        """Keep the longest path of the draft that the target agrees with (a chain: its longest prefix), plus the
+        target's own next token.
 
-    def _choices(
-        self, plans: list[tuple[EngineRequest, list[int]]], outs: list[TargetOutput | BaseException]
-    ) -> list[list[int] | BaseException]:
-        """The target's own choice at every verify row of every request, as ONE batched computation for the step
-        (`sampling.choose_step`): the inputs of every request's processing in one copy to the device, the rows
-        stacked, and ONE transfer of all choices to the host (a request whose processing fails gets its exception).
-        Row i of a request picks the token at position req.position + 1 + i."""
-        return choose_step([
-            None if isinstance(out, BaseException) else Block(
-                out.logits, req.params, req.seed, req.position + 1, req.processor, req.output, props)
-            for (req, props), out in zip(plans, outs)
-        ])
-
-    def _accept(self, req: EngineRequest, proposals: list[int], out: TargetOutput, chosen: list[int]) -> StepOutput:
-        """Keep the longest prefix of the draft that the target agrees with, plus the target's own next token.
-
-        Row i of the verify block picks (in `chosen`) the token at position p + 1 + i with that position's uniform,
-        exactly as plain decoding would, so the committed tokens are the target's own choices whatever the draft
-        proposed.
+        Row i of the verify row picks (in `chosen`) the token at position p + 1 + depth(i) (a chain: p + 1 + i) with
+        that position's uniform, exactly as plain decoding would, so the committed tokens are the target's own
+        choices whatever the draft proposed.
         """
         p = req.position
-        accepted = 0
-        while accepted < len(proposals) and proposals[accepted] == chosen[accepted]:
-            accepted += 1
-        self.target.crop(req.cache, p + accepted + 1)
+        path = tree.path(chosen)
+        accepted = len(path) - 1
+        if tree.is_chain:
+            self.target.crop(req.cache, p + accepted + 1)
+        else:  # the accepted nodes' keys and values to positions p + 1 ..
+            self.target.compact(req.cache, p, path)
         if req.draft_state is not None and out.features is not None:  # plain steps too: the draft's context
-            self.drafter.extend_context(req.draft_state, out.features[: accepted + 1])
+            feats = out.features[: accepted + 1] if tree.is_chain else out.features[path]
+            self.drafter.extend_context(req.draft_state, feats)
         req.position = p + accepted + 1
         if req.spec is not None:
             self.policy.observe(req.spec, req.drafted, accepted + 1)
 
-        req.stats.record_step(len(proposals), accepted)
-        step = StepOutput(
-            req.id,
-            [],
-            acceptance_length=accepted + 1,
-            num_draft_tokens=len(proposals),
-            num_accepted_tokens=accepted,
-            verify_width=len(proposals) + 1,
-        )
+        req.stats.record_step(tree.size - 1, accepted)
+        step = StepOutput(req.id, [], acceptance_length=accepted + 1, num_draft_tokens=tree.size - 1,
+                          num_accepted_tokens=accepted, verify_width=tree.size)
         # The accepted draft tokens (equal to the target's choices), then the target's own token after them.
-        step = commit_tokens(req, proposals[:accepted] + chosen[accepted : accepted + 1], out.logits, step)
+        logits = out.logits if tree.is_chain else out.logits[path]
+        step = commit_tokens(req, [tree.tokens[i] for i in path[1:]] + [chosen[path[-1]]], logits, step)
         self.memory.register(req)
         return step

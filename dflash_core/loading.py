@@ -216,7 +216,9 @@ def load_models(config: EngineConfig, warm_up: bool = True) -> LoadedModels:
             drafter.warm_up()
     engine = Engine(target_model, drafter, eos_token_ids=eos_token_ids(model, tok), max_model_len=budget.max_model_len,
                     max_slots=slots, grammar=LLGuidanceBackend(tok, target_model.vocab_size),
-                    speculation=config.speculation, max_num_batched_tokens=config.max_num_batched_tokens,
+                    speculation=config.speculation, spec_sampling=config.spec_sampling,
+                    tree_budget=config.tree_budget,
+                    max_num_batched_tokens=config.max_num_batched_tokens,
                     prefill_chunk=config.prefill_chunk or None, enable_prefix_caching=config.enable_prefix_caching)
     return LoadedModels(
         engine=engine,

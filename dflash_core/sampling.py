@@ -245,6 +245,17 @@ def race_choice(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tenso
     return choice
 
 
+def inverse_cdf_choice(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A draw of each row of probs [R, V] (non-negative, not all zero; unnormalised is fine) by its cumulative sum and
+    ONE uniform, `token_uniform(seeds[r], positions[r], 0)`: the first token whose cumulative mass exceeds u times
+    the row's total (never a zero-probability one). A cumulative sum instead of V hashes, so much cheaper than
+    `race_choice`, but a tiny change of the probabilities can move it: for draws whose text is not kept
+    reproducible across forwards (a draft's proposals, a rejection's residual), never for the target's tokens."""
+    cum = probs.double().cumsum(dim=-1)
+    u = _uniforms(_keys(seeds, positions), 0, 1)  # [R, 1] in (0, 1): below the total, so an index < V
+    return torch.searchsorted(cum, u * cum[:, -1:], right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+
+
 def choose_token_tensor(logits: torch.Tensor, params: SamplingParams, seed: int, first_position: int) -> torch.Tensor:
     """The target's own choice for each row of logits [n, V], on the logits' device (no transfer): row i picks
     the token at `first_position + i`, with that position's noise (`race_choice`)."""
@@ -267,14 +278,13 @@ def float_bits(value: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(value)))[0]
 
 
-def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor,
-                top_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, *, use_min_p: bool = True,
-                use_top_k: bool = True, use_top_p: bool = True) -> torch.Tensor:
-    """`choose_token_tensor` for sampled rows of many requests at once: logits [S, V] fp32 and a parameter per row
-    ([S] each; temperature / min_p / top_p float32, top_k int64, seeds (the int64 with the seed's bits) and
-    positions int64) -> tokens [S]. Every operation is row-wise and the same as `processed_probs`' and
-    `choose_token_tensor`'s, so each row equals its request's own choice; a filter whose `use_*` is False is off in
-    every row (the host knows) and skipped."""
+def processed_rows(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor,
+                   top_p: torch.Tensor, *, use_min_p: bool = True, use_top_k: bool = True,
+                   use_top_p: bool = True) -> torch.Tensor:
+    """`processed_probs` for many rows at once, each with its own parameters: logits [S, V] fp32 and a parameter per
+    row ([S] each; temperature / min_p / top_p float32, top_k int64) -> probs [S, V]. Every operation is row-wise and
+    the same as `processed_probs`'; a filter whose `use_*` is False is off in every row (the host knows) and
+    skipped."""
     vocab = logits.shape[-1]
     onehot = torch.zeros_like(logits).scatter(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     scores = logits / temperature[:, None]
@@ -296,13 +306,34 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Te
         nucleus = nucleus / nucleus.sum(-1, keepdim=True)
         probs = torch.where((top_p < 1.0)[:, None], nucleus, probs)
     bad = ~torch.isfinite(probs).all(dim=-1, keepdim=True)
-    return race_choice(torch.where(bad, onehot, probs), seeds, positions)
+    return onehot.where(bad, probs)
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor,
+                top_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, **use: bool) -> torch.Tensor:
+    """`choose_token_tensor` for sampled rows of many requests at once: `processed_rows`, then each row's draw
+    (seeds: the int64 with the seed's bits, positions int64, [S] each) -> tokens [S]."""
+    return race_choice(processed_rows(logits, temperature, min_p, top_k, top_p, **use), seeds, positions)
+
+
+def race_among(probs: torch.Tensor, token_ids: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
+               ) -> torch.Tensor:
+    """The Gumbel-max draw of each row among some tokens only: probs [R, K] of the tokens token_ids [R, K] (int64,
+    distinct in a row) -> the index [R] in K of the winner. Each token uses its own `token_uniform`, so a row whose
+    K tokens hold all its mass draws the same token as `race_choice` of the whole row."""
+    keys = _keys(seeds, positions)
+    h = _mix_(keys + (token_ids + 1) * _signed(_GOLDEN))
+    u = _shr(h, 11).bitwise_or_(1) * torch.full((), 2.0 ** -53, dtype=torch.float64, device=h.device)
+    return torch.div(probs, u.log_()).argmin(dim=-1)
 
 
 @dataclass
 class Block:
     """One request's rows of a step: raw logits [n, V], row i choosing the token at `first_position + i`, and its
-    processor (`dflash_core.processors`) with the history it processes against."""
+    processor (`dflash_core.processors`) with the history it processes against. With `rejection` (a sampled
+    request under `--spec-sampling rejection`) the rows of its draft tokens are decided by
+    `dflash_core.rejection.rejection_choices` against `dist`, the draft's distributions [len(draft), V] the tokens
+    were drawn from (None: proposed deterministically)."""
 
     logits: torch.Tensor
     params: SamplingParams
@@ -311,6 +342,14 @@ class Block:
     processor: Any = None
     output: Sequence[int] = ()
     draft: Sequence[int] = ()
+    rejection: bool = False
+    dist: torch.Tensor | None = None
+    positions: Sequence[int] | None = None  # each row's position when not first_position + i (a tree's rows)
+
+    @property
+    def rejects(self) -> bool:
+        """Its draft rows are decided by rejection sampling (a sampled block with draft tokens)."""
+        return self.rejection and not self.params.greedy and bool(self.draft)
 
 
 _local = threading.local()
@@ -332,8 +371,9 @@ def choose_step(blocks: Sequence[Block | None], staging: HostToDevice | None = N
 
     The processors' inputs and the sampled rows' parameters travel to the device in ONE copy (`staging`), the
     processed rows are stacked (sampled requests first, then greedy ones), greedy rows take their argmax and
-    sampled rows `sample_rows`, and every choice comes back in ONE transfer (`to_host`). A block whose processing
-    raises gets its exception; the others are unaffected.
+    sampled rows their draw (`processed_rows`, `race_choice`; the draft rows of a block that `rejects`:
+    `rejection_choices`), and every choice comes back in ONE transfer (`to_host`). A block whose processing raises
+    gets its exception; the others are unaffected.
     """
     results: list[list[int] | BaseException] = [[] for _ in blocks]
     live: list[tuple[int, Block, list[Any]]] = []
@@ -356,10 +396,13 @@ def choose_step(blocks: Sequence[Block | None], staging: HostToDevice | None = N
         for column, value in zip(params, (float_bits(p.temperature), float_bits(p.min_p), float_bits(p.top_p),
                                           p.top_k, _signed(b.seed & _MASK64))):
             column.extend([value] * n)
-        positions.extend(range(b.first_position, b.first_position + n))
+        positions.extend(range(b.first_position, b.first_position + n) if b.positions is None else b.positions)
     arrays = [a for _, _, mine in live for a in mine]
+    rejecting: list[int] = []  # sampled blocks whose draft rows rejection sampling decides
     if sampled:
         arrays += [*params, positions]
+        rejecting = [i for i, b in sampled if b.rejects]
+        arrays += [list(blocks[i].draft) for i in rejecting]  # type: ignore[union-attr]  # what rejection tests
     device = live[0][1].logits.device
     sent = (staging or staging_for(device)).send(*arrays) if arrays else ()
     rows: list[tuple[int, torch.Tensor, int]] = []  # (block, processed rows, first row in the sampled arrays)
@@ -376,7 +419,7 @@ def choose_step(blocks: Sequence[Block | None], staging: HostToDevice | None = N
         at += k
         row += block.logits.shape[0] if not block.params.greedy else 0
     try:
-        choices = _choose_rows(blocks, rows, sent[at:] if sampled else ())
+        choices = _choose_rows(blocks, rows, sent[at:] if sampled else (), rejecting)
         flat = to_host(choices)
     except Exception as exc:  # the step's computation itself failed: every request still live gets it
         for i, _, _ in rows:
@@ -390,23 +433,33 @@ def choose_step(blocks: Sequence[Block | None], staging: HostToDevice | None = N
 
 
 def _choose_rows(blocks: Sequence[Block | None], rows: list[tuple[int, torch.Tensor, int]],
-                 sent: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The choices of `rows` (sampled blocks first) as one tensor, in their order."""
+                 sent: Sequence[torch.Tensor], rejecting: Sequence[int] = ()) -> torch.Tensor:
+    """The choices of `rows` (sampled blocks first) as one tensor, in their order; `sent` holds the sampled rows'
+    parameters, then the draft tokens of the blocks `rejecting` (block indices)."""
     sampled = [(i, x, r) for i, x, r in rows if not blocks[i].params.greedy]  # type: ignore[union-attr]
     greedy = [x for i, x, _ in rows if blocks[i].params.greedy]  # type: ignore[union-attr]
     parts: list[torch.Tensor] = []
     if sampled:
-        temperature, min_p, top_p, top_k, seeds, positions = sent
+        temperature, min_p, top_p, top_k, seeds, positions = sent[:6]
+        live = {i for i, _, _ in sampled}
+        drafts = {i: t for i, t in zip(rejecting, sent[6:]) if i in live}  # the rejecting blocks' draft tokens
         total = temperature.shape[0]
         if sum(x.shape[0] for _, x, _ in sampled) != total:  # a sampled block failed: its parameter rows go
             keep = [slice(r, r + x.shape[0]) for _, x, r in sampled]
             temperature, min_p, top_p, top_k, seeds, positions = (
                 torch.cat([t[s] for s in keep]) for t in (temperature, min_p, top_p, top_k, seeds, positions))
         ps = [blocks[i].params for i, _, _ in sampled]  # type: ignore[union-attr]
-        parts.append(sample_rows(
-            torch.cat([x for _, x, _ in sampled]), _as_float(temperature), _as_float(min_p), top_k,
-            _as_float(top_p), seeds, positions, use_min_p=any(p.min_p > 0.0 for p in ps),
-            use_top_k=any(p.top_k > 0 for p in ps), use_top_p=any(p.top_p < 1.0 for p in ps)))
+        probs = processed_rows(
+            torch.cat([x for _, x, _ in sampled]), _as_float(temperature), _as_float(min_p), top_k, _as_float(top_p),
+            use_min_p=any(p.min_p > 0.0 for p in ps), use_top_k=any(p.top_k > 0 for p in ps),
+            use_top_p=any(p.top_p < 1.0 for p in ps))
+        chosen = race_choice(probs, seeds, positions)
+        if drafts:
+            from dflash_core.rejection import rejection_rows  # it builds on this module's draws
+
+            parts.append(rejection_rows(blocks, sampled, drafts, probs, chosen, seeds, positions))
+        else:
+            parts.append(chosen)
     if greedy:
         parts.append(torch.cat(greedy).argmax(dim=-1))
     return torch.cat(parts)

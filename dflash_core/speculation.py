@@ -17,6 +17,12 @@ when the draft is right and cost more target compute always; under load the cost
    measured second rise; a runner that pads rows to the widest (the compiled static step, the hybrids) gives the
    step one width W (`verify_width`), cut where the rows' confidences together stop paying.
 
+3. **Chain or tree** (`WidthPolicy.tree_sizes`, runners that verify trees: `dflash_core.tree`). A request may
+   verify the top-n prefixes of its draft's candidates as a tree instead of its chain: n nodes are expected to
+   commit the sum of their path probabilities (calibrated on recent tree steps). `--speculation tree` verifies
+   trees of `tree_budget` nodes every step; the adaptive policy gives a row the tree size (or the chain) whose
+   predicted tokens per second for the step is highest.
+
 Cutting a proposal changes only how many tokens a step may accept, never which tokens are committed: every
 committed token is still the target's own choice.
 """
@@ -32,7 +38,8 @@ from dataclasses import dataclass, field
 WIDTHS = (1, 2, 4, 8, 16, 32, 64)
 MIN_SAMPLES = 3  # forwards measured before the costs decide anything (until then: full blocks)
 RETRY_AFTER = 4  # plain steps before a request left out of drafting is re-tried (doubling while it does not pay)
-POLICIES = ("adaptive", "fixed")
+POLICIES = ("adaptive", "fixed", "tree")
+TREE_BUDGETS = (8, 16, 32, 64, 128)  # tree sizes (draft nodes) the adaptive policy weighs, up to its budget
 
 
 def width_set(block_size: int) -> tuple[int, ...]:
@@ -159,7 +166,7 @@ class WidthPolicy:
     """
 
     def __init__(self, block_size: int, policy: str = "adaptive", ema: float = 0.15,
-                 max_retry_after: int = 128, padded: bool = True) -> None:
+                 max_retry_after: int = 128, padded: bool = True, tree_budget: int = 0) -> None:
         if policy not in POLICIES:
             raise ValueError(f"speculation policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.block_size = block_size
@@ -174,15 +181,24 @@ class WidthPolicy:
         # summed): drafts are not calibrated, the demo's accepts about 1.2x what its probabilities promise
         self.calibration = 1.0
         self._expected = self._accepted = 0.0
+        self.tree_budget = tree_budget  # the most draft nodes of a tree (0: chains only)
+        self.tree_calibration = 1.0  # the same ratio on tree steps
+        self._tree_expected = self._tree_accepted = 0.0
 
     @property
     def adaptive(self) -> bool:
         return self.policy == "adaptive" and self.costs.target.ready and self.costs.draft.ready
 
+    @property
+    def uses_trees(self) -> bool:
+        """Whether rows may verify trees: `--speculation tree`, or the adaptive policy with a tree budget."""
+        return self.tree_budget > 0 and self.policy in ("tree", "adaptive")
+
     def fresh(self) -> WidthPolicy:
         """The same policy and measured step costs, with nothing learnt of the draft's acceptance (after the warm-up's
         made-up requests, or a new draft)."""
-        policy = WidthPolicy(self.block_size, self.policy, self.ema, self.max_retry_after, self.padded)
+        policy = WidthPolicy(self.block_size, self.policy, self.ema, self.max_retry_after, self.padded,
+                             self.tree_budget)
         policy.costs = self.costs
         return policy
 
@@ -286,6 +302,56 @@ class WidthPolicy:
         of the draft's probabilities summed, calibrated, at most k."""
         return [[0.0] + [min(float(k), self.calibration * g) for k, g in enumerate(expected_accepted(c), start=1)]
                 for c in confidences]
+
+    # ---- 3. chain or tree ----
+    def tree_sizes(self, chain_gains: Sequence[float], chain_tokens: Sequence[int],
+                   node_probs: Sequence[Sequence[float] | None], budget: int | None = None) -> list[int]:
+        """Per row, the draft nodes of the tree it verifies (0: its chain). Row r's chain verifies chain_tokens[r]
+        tokens expecting chain_gains[r] accepted; node_probs[r] are the path probabilities of its candidate tree's
+        nodes, best first (None: the row cannot verify a tree), so a tree of its first n nodes expects their sum.
+        `--speculation tree`: every row that can, `tree_budget` nodes (within the step's budget). Adaptive: each
+        row in turn takes the size, from `TREE_BUDGETS`, or the chain, with the best predicted tokens per second."""
+        n = len(chain_tokens)
+        sizes = [0] * n
+        if not self.uses_trees or (self.policy == "adaptive" and not self.adaptive):
+            return sizes
+        limit = budget if budget is not None else math.inf
+        verified, tokens = sum(chain_tokens), float(n) + sum(chain_gains)
+        spent = self.costs.draft(0)
+        for r, probs in enumerate(node_probs):
+            if not probs:
+                continue
+            options = [k for k in TREE_BUDGETS if k <= min(self.tree_budget, len(probs))] or [len(probs)]
+            if self.policy == "tree":
+                options = [min(self.tree_budget, len(probs))]
+            best, best_rate = 0, -1.0 if self.policy == "tree" else tokens / max(spent + self.costs.target(verified),
+                                                                                   1e-9)
+            for k in options:
+                grown = verified - chain_tokens[r] + 1 + k
+                if grown > limit:
+                    continue
+                gain = tokens - chain_gains[r] + min(float(k), self.tree_calibration * sum(probs[:k]))
+                rate = gain / max(spent + self.costs.target(grown), 1e-9)
+                if rate > best_rate:
+                    best, best_rate = k, rate
+            if best:
+                gain = min(float(best), self.tree_calibration * sum(probs[:best]))
+                verified += 1 + best - chain_tokens[r]
+                tokens += gain - chain_gains[r]
+                sizes[r] = best
+        return sizes
+
+    def expected_chain(self, confidence: Sequence[float]) -> float:
+        """Accepted tokens expected of a chain verifying these draft probabilities, calibrated."""
+        return self._gains([confidence])[0][-1] if confidence else 0.0
+
+    def calibrate_tree(self, expected: float, accepted: int) -> None:
+        """Record a verified tree (the sum of its nodes' path probabilities) and its accepted nodes."""
+        decay = 0.98
+        self._tree_expected = decay * self._tree_expected + expected
+        self._tree_accepted = decay * self._tree_accepted + accepted
+        if self._tree_expected > 1.0:
+            self.tree_calibration = min(4.0, max(0.25, self._tree_accepted / self._tree_expected))
 
     # ---- after the step ----
     def calibrate(self, verified_confidence: Sequence[float], accepted: int) -> None:

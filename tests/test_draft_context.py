@@ -39,9 +39,9 @@ class ScoredRecorder(RecordingDrafter):
         super().__init__(inner)
         self.scores: dict[tuple[int, ...], list[list[float]]] = {}
 
-    def propose_scored(self, items: Any) -> Any:
+    def propose_scored(self, items: Any, sampling: Any = None, candidates: int = 0) -> Any:
         inner_items = [DraftRequest(st.inner, last, pos, n) for st, last, pos, n in items]
-        outs = self.inner.propose_scored(inner_items)
+        outs = self.inner.propose_scored(inner_items, sampling, candidates)
         for (st, last, pos, _), out in zip(items, outs):
             self.proposals.append(RecordedProposal(st.prompt, last, pos, list(out.tokens)))
             self.scores.setdefault(st.prompt, []).append(list(out.confidence))

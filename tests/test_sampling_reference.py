@@ -343,14 +343,8 @@ class TreeArgmaxDrafter(OracleDrafter):
         return proposals
 
 
-def test_accepted_tokens_follow_the_exact_target_law(tiny_model, record_property):
-    """Chi-square goodness of fit of the engine's 5-token outputs (distinct seeds) against the exact joint law,
-    and of each verified position's marginal. With temperature 1 the sampled token often differs from the argmax
-    draft, so an acceptance rule that lets an argmax draft through when it differs from the target's choice
-    skews these laws."""
-    from scipy.stats import chisquare
-
-    tree = exact_tree(tiny_model)
+def leaf_law(tree: dict) -> dict[tuple[int, ...], float]:
+    """The exact probability of every DEPTH-token output of the tree (`exact_tree`)."""
     leaves: dict[tuple[int, ...], float] = {}
 
     def walk(node: tuple[int, ...], prob: float) -> None:
@@ -361,6 +355,42 @@ def test_accepted_tokens_follow_the_exact_target_law(tiny_model, record_property
             walk(node + (t,), prob * p)
 
     walk((), 1.0)
+    return leaves
+
+
+def p_value(observed: Counter, expected: dict, n: int) -> float:
+    """Pearson's chi-square p-value of n samples' counts against a law (outcomes expected < 5 times pooled)."""
+    from scipy.stats import chisquare
+
+    big = [k for k, e in expected.items() if e * n >= 5]
+    obs = [observed[k] for k in big] + [n - sum(observed[k] for k in big)]
+    exp = [expected[k] for k in big] + [1.0 - sum(expected[k] for k in big)]
+    if exp[-1] * n < 1e-9:
+        obs, exp = obs[:-1], exp[:-1]
+    total = sum(exp)
+    return float(chisquare(obs, [e * n / total for e in exp]).pvalue)
+
+
+def law_p_values(samples: Counter, leaves: dict[tuple[int, ...], float], n: int) -> dict[str, float]:
+    """p-values of n sampled outputs against the exact law: the joint one, and each generated position's marginal."""
+    p_values = {"joint": p_value(samples, leaves, n)}
+    for j in range(1, DEPTH):
+        observed, expected = Counter(), Counter()
+        for seq, count in samples.items():
+            observed[seq[j]] += count
+        for seq, prob in leaves.items():
+            expected[seq[j]] += prob
+        p_values[f"position {j}"] = p_value(observed, expected, n)
+    return p_values
+
+
+def test_accepted_tokens_follow_the_exact_target_law(tiny_model, record_property):
+    """Chi-square goodness of fit of the engine's 5-token outputs (distinct seeds) against the exact joint law,
+    and of each verified position's marginal. With temperature 1 the sampled token often differs from the argmax
+    draft, so an acceptance rule that lets an argmax draft through when it differs from the target's choice
+    skews these laws."""
+    tree = exact_tree(tiny_model)
+    leaves = leaf_law(tree)
     target = NativeTarget(tiny_model, None, max_slots=CHI_SAMPLES, max_len=len(CHI_PROMPT) + 2 * DEPTH + 2)
     engine = Engine(target, TreeArgmaxDrafter(tree, DEPTH), eos_token_ids=[])
     ids = [engine.add_request(CHI_PROMPT, SamplingParams(max_tokens=DEPTH, seed=s, **CHI_PARAMS))
@@ -372,23 +402,7 @@ def test_accepted_tokens_follow_the_exact_target_law(tiny_model, record_property
     assert sum(s.num_draft_tokens - s.num_accepted_tokens for s in st) > CHI_SAMPLES  # ... and rejected
     assert all(seq in leaves for seq in samples), "an output the target law gives probability 0"
 
-    def p_value(observed: Counter, expected: dict) -> float:
-        big = [k for k, e in expected.items() if e * CHI_SAMPLES >= 5]
-        obs = [observed[k] for k in big] + [CHI_SAMPLES - sum(observed[k] for k in big)]
-        exp = [expected[k] for k in big] + [1.0 - sum(expected[k] for k in big)]
-        if exp[-1] * CHI_SAMPLES < 1e-9:
-            obs, exp = obs[:-1], exp[:-1]
-        total = sum(exp)
-        return float(chisquare(obs, [e * CHI_SAMPLES / total for e in exp]).pvalue)
-
-    p_values = {"joint": p_value(samples, leaves)}
-    for j in range(1, DEPTH):
-        observed, expected = Counter(), Counter()
-        for seq, count in samples.items():
-            observed[seq[j]] += count
-        for seq, prob in leaves.items():
-            expected[seq[j]] += prob
-        p_values[f"position {j}"] = p_value(observed, expected)
+    p_values = law_p_values(samples, leaves, CHI_SAMPLES)
     # how many verified tokens equal the argmax draft: the statistic a draft-favouring rule moves most
 
     def argmax_hits(seq: tuple[int, ...]) -> int:
@@ -399,6 +413,6 @@ def test_accepted_tokens_follow_the_exact_target_law(tiny_model, record_property
         observed[argmax_hits(seq)] += count
     for seq, prob in leaves.items():
         expected[argmax_hits(seq)] += prob
-    p_values["argmax hits"] = p_value(observed, expected)
+    p_values["argmax hits"] = p_value(observed, expected, CHI_SAMPLES)
     record_property("p_values", p_values)
     assert min(p_values.values()) > 1e-3, p_values

@@ -1,12 +1,12 @@
 """Host <-> device transfers of a decode step's choice (issue 23, findings 5 and 9).
 
 What is counted: the transfers made through `dflash_core.transfer` (`HostToDevice.send`, `to_host`) inside
-`Engine._choices`, the part of a decode step that turns the verify rows' logits into the target's choices (the
+`verify.step_choices`, the part of a decode step that turns the verify rows' logits into the target's choices (the
 processors: grammar bitmasks, min_tokens, logit_bias, penalties; then the batched sampling). Per call it must make
 exactly ONE device-to-host transfer (all choices of the step) and at most ONE host-to-device copy (every request's
 processor inputs and sampling parameters together), and no other copy to the device: no `torch.tensor` /
 `torch.as_tensor` / `Tensor.to(device)` inside it (on CPU a copy cannot be observed, so these calls are what is
-counted). The runners' own inputs (token ids, positions, slots) are outside `_choices` and not counted here.
+counted). The runners' own inputs (token ids, positions, slots) are outside `step_choices` and not counted here.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from dflash_core.engine import Engine
+from dflash_core import engine as engine_module
 from dflash_core.generate import run_to_completion
 from dflash_core.grammar import StructuredOutput
 from dflash_core.processors import build_processor
@@ -60,19 +60,19 @@ def uncounted_copies(every_to: bool = True) -> Iterator[list[str]]:
         torch.tensor, torch.as_tensor, torch.Tensor.to = tensor, as_tensor, to  # type: ignore[method-assign]
 
 
-def counted_choices(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int, list[str]]]:
-    """Each `_choices` call's (rows, h2d, d2h, uncounted copies), recorded while the test runs."""
+def counted_choices(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int, list[str]]]:
+    """Each step's `step_choices` call's (rows, h2d, d2h, uncounted copies), recorded while the test runs."""
     seen: list[tuple[int, int, int, list[str]]] = []
-    original = engine._choices
+    original = engine_module.step_choices
 
-    def choices(plans: Any, outs: Any) -> Any:
+    def choices(*args: Any) -> Any:
         with count_transfers() as counts, uncounted_copies() as copies:
-            result = original(plans, outs)
+            result = original(*args)
         rows = sum(len(r) for r in result if isinstance(r, list))
         seen.append((rows, counts.h2d, counts.d2h, copies))
         return result
 
-    monkeypatch.setattr(engine, "_choices", choices)
+    monkeypatch.setattr(engine_module, "step_choices", choices)
     return seen
 
 
@@ -91,7 +91,7 @@ def test_a_decode_step_makes_one_transfer_each_way(case: str, speculative: bool,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     models, plain = demo()
     engine = models.engine if speculative else plain
-    seen = counted_choices(engine, monkeypatch)
+    seen = counted_choices(monkeypatch)
     if case == "all at once":  # one step holds every kind of request
         params = [SamplingParams(max_tokens=10, **kw) for kw in CASES.values()]
         asked = [prompts()[i % len(prompts())] for i in range(len(params))]
@@ -107,6 +107,20 @@ def test_a_decode_step_makes_one_transfer_each_way(case: str, speculative: bool,
     if speculative:
         assert max(rows for rows, *_ in seen) > len(outs)  # verify rows really ran (several per request)
         assert accepted_drafts(outs) > 0 or case != "greedy"
+
+
+def test_a_rejection_sampling_step_makes_one_transfer_each_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under `--spec-sampling rejection` the draft tokens travel with the step's other inputs: still one copy each
+    way, and drawn drafts were accepted."""
+    models, _ = demo()
+    engine = models.engine
+    monkeypatch.setattr(engine, "spec_sampling", "rejection")
+    seen = counted_choices(monkeypatch)
+    params = [SamplingParams(max_tokens=10, **CASES["sampled"]), SamplingParams(max_tokens=10, temperature=1.0, seed=5)]
+    outs = run_to_completion(engine, prompts()[1:3], params)
+    assert all(o.error is None for o in outs) and seen
+    assert all((d2h, h2d, copies) == (1, 1, []) for _, h2d, d2h, copies in seen), seen
+    assert accepted_drafts(outs) > 0
 
 
 def test_the_step_sends_through_one_staging_buffer() -> None:

@@ -31,7 +31,8 @@ from dflash_core.bench.serve import (
 )
 from dflash_core.bench.stall import format_stall, run_stall
 from dflash_core.cli_help import HelpFormatter
-from dflash_core.config import BACKENDS
+from dflash_core.config import BACKENDS, SPEC_SAMPLING
+from dflash_core.speculation import POLICIES
 
 BENCH_EXTRA = 'pip install "dflash-serve[bench]"'
 
@@ -121,8 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
     off.add_argument("--block-size", type=int, help="block size B (default: the draft's)")
     off.add_argument("--backend", default="auto", choices=list(BACKENDS),
                      help="target forward, as dflash-serve --backend")
-    off.add_argument("--speculation", default="adaptive", choices=["adaptive", "fixed"],
-                     help="the width policy, as dflash-serve --speculation (fixed: the full block every step)")
+    off.add_argument("--speculation", default="adaptive", choices=list(POLICIES),
+                     help="the width policy, as dflash-serve --speculation (fixed: the full block every step; "
+                          "tree: a tree of --tree-budget nodes every step)")
+    off.add_argument("--tree-budget", type=int, default=32,
+                     help="the most draft nodes of a verified tree, as dflash-serve --tree-budget (0: chains only)")
+    off.add_argument("--spec-sampling", default="keyed", choices=list(SPEC_SAMPLING),
+                     help="how sampled requests accept draft tokens, as dflash-serve --spec-sampling (keyed: seeded "
+                          "text equal to plain decoding's; rejection: rejection sampling, text not compared)")
     off.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     off.add_argument(
         "--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16"
@@ -297,6 +304,8 @@ def _main(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             dataset=args.dataset,
             threads=args.threads,
             speculation=args.speculation,
+            spec_sampling=args.spec_sampling,
+            tree_budget=args.tree_budget,
         )
         result = {**header("offline", argv), **body}
         json_path = out_dir / "offline.json"

@@ -55,8 +55,9 @@ class ScriptedDrafter(Drafter):
     def propose_batch(self, items: Any) -> list[list[int]]:
         return [p.tokens for p in self.propose_scored(items)]
 
-    def propose_scored(self, items: Any) -> list[Proposal]:
-        real = self.inner.propose_scored([DraftRequest(it.state.inner, *it[1:]) for it in items])
+    def propose_scored(self, items: Any, sampling: Any = None, candidates: int = 0) -> list[Proposal]:
+        real = self.inner.propose_scored([DraftRequest(it.state.inner, *it[1:]) for it in items], sampling,
+                                          candidates)
         out = []
         for it, prop in zip(items, real):
             seq = [*it.state.prompt, *self.script.get(it.state.prompt, [])]

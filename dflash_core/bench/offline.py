@@ -149,6 +149,8 @@ def run_offline(
     dataset: str = "custom",
     threads: int | None = None,
     speculation: str = "adaptive",
+    spec_sampling: str = "keyed",
+    tree_budget: int = 32,
 ) -> dict[str, Any]:
     """Plain decoding and DFlash on the same target, interleaved prompt by prompt: the `offline` result
     without its header. Raises IdentityError when greedy outputs differ. No target: the demo pair. `threads`:
@@ -161,7 +163,8 @@ def run_offline(
     t0 = time.perf_counter()
     try:
         config = EngineConfig(target, draft, tokenizer, device=device, dtype=dtype, block_size=block_size,
-                              backend=backend, threads=threads, speculation=speculation)
+                              backend=backend, threads=threads, speculation=speculation,
+                              spec_sampling=spec_sampling, tree_budget=tree_budget)
         models = load_models(config)
     except (FileNotFoundError, ValueError) as exc:
         raise BenchError(f"cannot load the models: {exc}") from None

@@ -72,12 +72,12 @@ def _phase_labels(engine: Any) -> Iterator[None]:
     """Label the target forward, the drafter and sampling (the engine's module-level choosers) for one pass."""
     import dflash_core.engine as engine_mod
 
-    patched = [(engine.target, "forward_batch", "target")]
+    patched = [(engine.target, "forward_batch", "target"), (engine.target, "forward_tree", "target")]
     if engine.drafter is not None:
         patched += [(engine.drafter, "propose_scored", "draft"), (engine.drafter, "extend_context", "draft")]
     for obj, name, label in patched:
         setattr(obj, name, _labelled(getattr(obj, name), label))  # an instance attribute over the method
-    saved = {name: getattr(engine_mod, name) for name in ("choose_step", "choose_tokens")}
+    saved = {name: getattr(engine_mod, name) for name in ("step_choices", "choose_tokens")}
     for name, fn in saved.items():
         setattr(engine_mod, name, _labelled(fn, "sampling"))
     try:

@@ -19,9 +19,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from dflash_core.sampling import SamplingParams
+    from dflash_core.tree import DraftTree
 
 
 @dataclass
@@ -74,6 +78,7 @@ class TargetRunner(ABC):
     checkpoint_limits: tuple[int, int] | None = None
     checkpoint_bytes: int = 0
     checkpointing: bool = False
+    verifies_trees: bool = False  # `forward_tree` and `compact` work (a tree's nodes may share positions)
 
     @property
     def pads_rows(self) -> bool:
@@ -114,6 +119,19 @@ class TargetRunner(ABC):
         """Every row's logits (all rows, or the last only) and, with `features`, its draft features; each row's
         cache then holds its tokens."""
 
+    def forward_tree(self, rows: Sequence[TargetRow], trees: Sequence[DraftTree], features: bool
+                     ) -> list[TargetOutput]:
+        """Verify rows whose tokens are trees (`dflash_core.tree`): row r's tokens are trees[r].tokens, token i at
+        position start + depth(i), its keys in cache row start + i, seeing the cache before `start` and its own
+        ancestors. Every token's logits (and features); `compact` then keeps the accepted path. Only runners that
+        set `verifies_trees`."""
+        raise NotImplementedError(f"{type(self).__name__} does not verify trees")
+
+    def compact(self, cache: Any, start: int, keep: Sequence[int]) -> None:
+        """After `forward_tree`: the tree rows start + keep[d] become positions start + d (keep[0] = 0, increasing),
+        and the cache holds start + len(keep) positions."""
+        raise NotImplementedError(f"{type(self).__name__} does not verify trees")
+
     def forward(
         self, token_ids: list[int], start: int, cache: Any, features: bool, last_only: bool = False
     ) -> TargetOutput:
@@ -136,11 +154,29 @@ class DraftRequest(NamedTuple):
     n: int
 
 
+class DraftSampling(NamedTuple):
+    """How a drafter draws one request's proposal instead of taking its argmax: each token from the draft's
+    distribution processed with `params` (temperature, min-p, top-k, top-p), the draw of the token at position t
+    the keyed race of (`seed`, t) (`dflash_core.sampling.race_choice`). The request's own seed couples the draft's
+    draws with the target's; a salted one makes them independent (`dflash_core.rejection`)."""
+
+    params: SamplingParams
+    seed: int
+
+
 class Proposal(NamedTuple):
-    """A drafter's proposal for one request: tokens, and the draft's probability of each (its confidence)."""
+    """A drafter's proposal for one request: tokens, and the draft's probability of each (its confidence). A sampled
+    proposal (`DraftSampling`) carries `dist`, the distributions [len(tokens), V] over the target's vocabulary its
+    tokens were drawn from, and confidences that are functions of those distributions (their largest probability),
+    never of the tokens drawn: the width policy cuts proposals by them, and a cut that depended on a drawn token
+    would skew rejection sampling's law."""
 
     tokens: list[int]
     confidence: list[float]
+    dist: torch.Tensor | None = None
+    # asked for (`candidates`): each position's top candidates (target ids) and their log-probabilities, most
+    # likely first, [len(tokens)][k] each: a tree's material (`dflash_core.tree`)
+    candidates: tuple[list[list[int]], list[list[float]]] | None = None
 
 
 class Drafter(ABC):
@@ -192,9 +228,15 @@ class Drafter(ABC):
         restarts the requests (`Engine.swap_draft`)."""
         raise ValueError(f"{type(self).__name__} cannot change its draft while serving")
 
-    def propose_scored(self, items: Sequence[DraftRequest]) -> list[Proposal]:
+    def propose_scored(
+        self, items: Sequence[DraftRequest], sampling: Sequence[DraftSampling | None] | None = None,
+        candidates: int = 0,
+    ) -> list[Proposal]:
         """Each item's proposal with the draft's probability of every proposed token (the width policy cuts a
-        proposal where the running product falls low). A drafter without probabilities reports 1.0."""
+        proposal where the running product falls low); `sampling[i]`, when given, asks for item i's tokens drawn
+        (`DraftSampling`); `candidates` > 0 for each position's top candidates (`Proposal.candidates`). A drafter
+        without probabilities proposes deterministically (no `dist`: a one-hot law), reports 1.0 and no
+        candidates."""
         return [Proposal(tokens, [1.0] * len(tokens)) for tokens in self.propose_batch(items)]
 
 

@@ -12,11 +12,29 @@ import torch
 from dflash_core.compile import StaticShapes, kv_bucket, timed_warm_up
 from dflash_core.draft import DFlashDraft, layer_region
 from dflash_core.draft_cache import DraftKVCache, PagedBatch, PagedDraftCache
+from dflash_core.draft_sampling import RowSampling
 from dflash_core.kv.pool import DEFAULT_KV_BLOCK, blocks_for, slot_layout_blocks
-from dflash_core.runners.base import Drafter, DraftRequest, Proposal, TargetRunner
+from dflash_core.runners.base import Drafter, DraftRequest, DraftSampling, Proposal, TargetRunner
 from dflash_core.transfer import HostToDevice, to_host
 
 log = logging.getLogger("dflash.drafter")
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What a proposal call asks beyond the argmax tokens: rows drawn instead (`DraftSampling` per item, None for an
+    argmax row) and `candidates`, each position's top candidates with their log-probabilities (a tree's material,
+    `dflash_core.tree`). A whole compiled step answers only the argmax: other asks run the eager step."""
+
+    sampling: Sequence[DraftSampling | None] = ()
+    candidates: int = 0
+
+    @property
+    def argmax_only(self) -> bool:
+        return not self.candidates and not any(self.sampling)
+
+
+ARGMAX = Asked()
 
 
 
@@ -212,22 +230,29 @@ class DFlashDrafter(Drafter):
         return [p.tokens for p in self.propose_scored(items)]
 
     @torch.inference_mode()
-    def propose_scored(self, items: Sequence[DraftRequest]) -> list[Proposal]:
-        """Argmax proposals for each (state, last token, its position, how many), with their draft probabilities.
+    def propose_scored(
+        self, items: Sequence[DraftRequest], sampling: Sequence[DraftSampling | None] | None = None,
+        candidates: int = 0,
+    ) -> list[Proposal]:
+        """Argmax proposals for each (state, last token, its position, how many), with their draft probabilities;
+        an item with a `DraftSampling` gets its tokens drawn (`DFlashDraft.sample`); `candidates`: each position's
+        top candidates too (a DFlash draft's; a DFlash 2 draft reports none).
 
         Nothing is consumed unless the whole call succeeds: the pending context features stay pending and a
         per-request cache keeps its length, so a failed call can be retried (the engine retries one by one; the
         paged cache is written by position, so a retry rewrites the same rows).
         """
+        asked = Asked(list(sampling or [None] * len(items)), candidates)
         if self.pages is None:  # per-request caches: one forward each
-            return [self._propose_single(item) for item in items]
+            return [self._propose_single(item, Asked([how], candidates)) for item, how in zip(items, asked.sampling)]
         pending = [torch.cat(st.pending, dim=0) if st.pending else None for st, *_ in items]
         n_ctx = max((0 if f is None else f.shape[0]) for f in pending)
         proposals = None
-        if self._step is not None and n_ctx:
-            proposals = self._propose_static(items, pending, n_ctx)
+        # a whole compiled step chooses inside its graph: sampled rows draft through the eager step
+        if self._step is not None and n_ctx and (self._region is not None or asked.argmax_only):
+            proposals = self._propose_static(items, pending, n_ctx, asked)
         if proposals is None:
-            proposals = self._propose_paged(items, pending, n_ctx)
+            proposals = self._propose_paged(items, pending, n_ctx, asked)
         for st, _, p, _ in items:  # only now is the context in the draft cache
             st.pending.clear()
             st.written = p
@@ -236,26 +261,56 @@ class DFlashDrafter(Drafter):
     def _draft_argmax(
         self, block: torch.Tensor, block_pos: torch.Tensor, ctx: torch.Tensor | None, ctx_pos: torch.Tensor | None,
         cache: DraftKVCache | PagedBatch, lens: dict[str, torch.Tensor], by_layer: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        asked: Asked = ARGMAX,
+    ) -> tuple[Any, ...]:
         """Target ids and probabilities [b, w] of the draft's argmax at each position of the block; column 0 (the
         block's first token, already known) is not a proposal and `_read_back` skips it: a [b, w - 1] output of
         a compiled step would specialise w = 2 (dimensions of size 1 are), a graph of its own. `by_layer`: each
-        layer through the compiled layer region (a static step's paged batch)."""
+        layer through the compiled layer region (a static step's paged batch). What else is `asked` comes as a
+        third output, a dict: the rows with a `sampling[r]` get drawn tokens instead, and "dist" holds the
+        distributions [drawn rows, w - 1, V] their proposals were drawn from, in row order; "top_ids" / "top_logp"
+        [b, w, candidates] each position's candidates."""
         emb = self.draft.embed(block, self.target.embed_weight)
         if by_layer:
             assert isinstance(cache, PagedBatch) and ctx is not None and ctx_pos is not None
             hidden = self.draft.forward_paged_by_layer(emb, block_pos, ctx, ctx_pos, cache, self._region, **lens)
         else:
             hidden = self.draft(emb, block_pos, ctx, ctx_pos, cache, **lens)
-        return self.draft.choose(hidden, block[:, 0], self.target.lm_head_weight)
+        best, prob, *top = self.draft.choose(hidden, block[:, 0], self.target.lm_head_weight, asked.candidates)
+        if asked.argmax_only:
+            return best, prob
+        extras = dict(zip(("top_ids", "top_logp"), top))
+        drawn = [r for r, how in enumerate(asked.sampling) if how is not None]
+        if drawn:
+            at = torch.tensor(drawn, device=best.device)
+            rows = RowSampling([asked.sampling[r] for r in drawn], best.device)  # type: ignore[misc]
+            tokens, conf, extras["dist"] = self.draft.sample(hidden[at], block[at, 0], self.target.lm_head_weight,
+                                                             rows, block_pos[at])
+            best, prob = best.index_copy(0, at, tokens.to(best.dtype)), prob.index_copy(0, at, conf.to(prob.dtype))
+        return best, prob, extras
 
     @staticmethod
-    def _read_back(best: torch.Tensor, prob: torch.Tensor, items: Sequence[DraftRequest]) -> list[Proposal]:
-        both = to_host(torch.stack([best.to(torch.float64), prob.to(torch.float64)]))  # one transfer
-        return [Proposal([int(t) for t in both[0][r][1 : n + 1]], both[1][r][1 : n + 1])
-                for r, (*_, n) in enumerate(items)]
+    def _read_back(best: torch.Tensor, prob: torch.Tensor, extras: dict[str, torch.Tensor] | None = None, *,
+                   items: Sequence[DraftRequest], asked: Asked = ARGMAX) -> list[Proposal]:
+        """The proposals on the host (one transfer); a sampled row's distributions stay on the device."""
+        extras = extras or {}
+        parts = [best.to(torch.float64), prob.to(torch.float64)]
+        if "top_ids" in extras:  # the candidates ride in the same transfer: [b, w] columns after the two
+            parts = [p[:, :, None] for p in parts] + [extras["top_ids"].to(torch.float64), extras["top_logp"].double()]
+        host = to_host(torch.cat(parts, dim=-1) if "top_ids" in extras else torch.stack(parts))  # one transfer
+        drawn = {r: j for j, r in enumerate(r for r, how in enumerate(asked.sampling) if how is not None)}
+        out = []
+        for r, (*_, n) in enumerate(items):
+            dist = extras["dist"][drawn[r], :n] if r in drawn else None
+            if "top_ids" not in extras:
+                out.append(Proposal([int(t) for t in host[0][r][1 : n + 1]], host[1][r][1 : n + 1], dist))
+                continue
+            rows, k = host[r][1 : n + 1], asked.candidates
+            out.append(Proposal([int(x[0]) for x in rows], [x[1] for x in rows], dist,
+                                ([[int(t) for t in x[2 : 2 + k]] for x in rows], [x[2 + k :] for x in rows])))
+        return out
 
-    def _propose_single(self, item: DraftRequest) -> Proposal:
+    def _propose_single(self, item: DraftRequest, asked: Asked = ARGMAX) -> Proposal:
         """One request over its per-request cache (appended; rolled back on failure)."""
         st, last, p, n = item
         device, dtype = self.target.device, self.target.dtype
@@ -274,7 +329,8 @@ class DFlashDrafter(Drafter):
         rollback = cache.length
         try:
             cache.skip(skipped)
-            proposal = self._read_back(*self._draft_argmax(block, block_pos, ctx, ctx_pos, cache, {}), [item])[0]
+            chosen = self._draft_argmax(block, block_pos, ctx, ctx_pos, cache, {}, asked=asked)
+            proposal = self._read_back(*chosen, items=[item], asked=asked)[0]
         except BaseException:
             cache.length = rollback
             raise
@@ -305,7 +361,8 @@ class DFlashDrafter(Drafter):
         return ctx, [block, block_pos, ctx_pos, rows, block_len]
 
     def _propose_paged(
-        self, items: Sequence[DraftRequest], pending: list[torch.Tensor | None], n_ctx: int
+        self, items: Sequence[DraftRequest], pending: list[torch.Tensor | None], n_ctx: int,
+        asked: Asked = ARGMAX,
     ) -> list[Proposal]:
         """The eager batched proposal: each row gathers the blocks its keys (its window's) lie in."""
         kb, b = self.kv_block, len(items)
@@ -320,24 +377,28 @@ class DFlashDrafter(Drafter):
         if self.window is not None:
             lens["ctx_start"] = block_pos[:, 0] - self.window
         cache = self.pages.batch(rows if n_ctx else None, table, base if self.window is not None else None)
-        return self._read_back(*self._draft_argmax(block, block_pos, ctx if n_ctx else None,
-                                                   ctx_pos if n_ctx else None, cache, lens), items)
+        chosen = self._draft_argmax(block, block_pos, ctx if n_ctx else None, ctx_pos if n_ctx else None, cache, lens,
+                                    asked=asked)
+        return self._read_back(*chosen, items=items, asked=asked)
 
     # ---- the static step ----
     def _static_forward(
         self, block: torch.Tensor, block_pos: torch.Tensor, ctx: torch.Tensor, ctx_pos: torch.Tensor,
         ctx_rows: torch.Tensor, block_len: torch.Tensor, base: torch.Tensor, table: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        asked: Asked = ARGMAX,
+    ) -> tuple[torch.Tensor, ...]:
         """The padded proposal: block ids / positions [b, w], new context features [b, c, F] at ctx_pos [b, c]
         written to ctx_rows [b, c], block_len [b], block tables [b, M] (M blocks: the key bucket, or the window's)
         whose first column is block `base` [b] of the request. Target ids and probabilities [b, w] (column 0: no
-        proposal). A row's context length is its block's first position."""
+        proposal). A row's context length is its block's first position. `asked`: only when the step runs eagerly
+        around a compiled layer region (a whole compiled step chooses inside its graph)."""
         assert self.pages is not None
         lens = dict(ctx_len=block_pos[:, 0], block_len=block_len)
         if self.window is not None:
             lens["ctx_start"] = block_pos[:, 0] - self.window
         cache = self.pages.batch(ctx_rows, table, base if self.window is not None else None)
-        return self._draft_argmax(block, block_pos, ctx, ctx_pos, cache, lens, by_layer=self._region is not None)
+        return self._draft_argmax(block, block_pos, ctx, ctx_pos, cache, lens, by_layer=self._region is not None,
+                                  asked=asked)
 
     def _layer_region(
         self, layer: torch.nn.Module, x: torch.Tensor, cos_q: torch.Tensor, sin_q: torch.Tensor, ctx: torch.Tensor,
@@ -349,7 +410,8 @@ class DFlashDrafter(Drafter):
         return layer_region(layer, x, cos_q, sin_q, ctx, cos_c, sin_c, kc, vc, rows, table, mask, self.kv_block)
 
     def _propose_static(
-        self, items: Sequence[DraftRequest], pending: list[torch.Tensor | None], n_ctx: int
+        self, items: Sequence[DraftRequest], pending: list[torch.Tensor | None], n_ctx: int,
+        asked: Asked = ARGMAX,
     ) -> list[Proposal] | None:
         """The items through the static step, or None when they fit no bucket (the eager forward runs them)."""
         assert self.static is not None
@@ -367,7 +429,7 @@ class DFlashDrafter(Drafter):
             first[: len(items)] = [max(0, p - self.window) // self.kv_block for _, _, p, _ in items]
         tables = [self._table(st.blocks, f, m) for (st, *_), f in zip(items, first)] + [[0] * m] * (bb - len(items))
         self.static.calls[(bb, wb)] += 1
-        return self._read_back(*self._run_static(ctx, [*ints, first], tables), items)
+        return self._read_back(*self._run_static(ctx, [*ints, first], tables, asked), items=items, asked=asked)
 
     def _key_blocks(self, top: int) -> int:
         """Blocks a static step gathers per row: those of the key bucket for context lengths up to `top`, or with
@@ -377,11 +439,14 @@ class DFlashDrafter(Drafter):
         return blocks_for(kv_bucket(top, self.blocks_per_request * self.kv_block), self.kv_block)
 
     def _run_static(
-        self, ctx: torch.Tensor, ints: list[list[Any]], tables: list[list[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, ctx: torch.Tensor, ints: list[list[Any]], tables: list[list[int]],
+        asked: Asked = ARGMAX,
+    ) -> tuple[torch.Tensor, ...]:
         assert self._step is not None
         # one host-to-device copy; the tables last, so that no other input's offset in it depends on the key bucket
         block, block_pos, ctx_pos, rows, block_len, base, table = self._h2d.send(*ints, tables)
+        if not asked.argmax_only:  # only around a layer region (`propose_scored`): the step is not one graph
+            return self._step(block, block_pos, ctx, ctx_pos, rows, block_len, base, table, asked)
         return self._step(block, block_pos, ctx, ctx_pos, rows, block_len, base, table)
 
     @torch.inference_mode()

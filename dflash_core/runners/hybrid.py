@@ -120,6 +120,7 @@ class HybridTarget(NativeTarget):
     slot-indexed convolution windows and recurrent states, with exact rollback (see the module docstring)."""
 
     ragged = False  # the Gated DeltaNet mixers run per row over [b, n]
+    verifies_trees = False  # a recurrent state follows one sequence, not a node's ancestors
     packs_layers = False  # its own mixers (`_mix`) run every layer
     prefix_cacheable = True  # a hit resumes from a state checkpoint at its last block (see the module docstring)
     checkpointing = False  # keep each request's state at its last block boundary (the KV manager turns it on)

@@ -38,7 +38,8 @@ from dflash_core.kv.pool import DEFAULT_KV_BLOCK
 from dflash_core.layers import apply_rope
 from dflash_core.runners.base import TargetOutput
 from dflash_core.runners.dense import DenseLayer, dense_layer
-from dflash_core.runners.paged import PagedTarget, Rows
+from dflash_core.runners.paged import PagedTarget, Rows, Slot
+from dflash_core.tree import DraftTree, tree_mask
 
 log = logging.getLogger("dflash.native")
 
@@ -93,6 +94,7 @@ class NativeTarget(PagedTarget):
     backend = "native"
     model_types: tuple[str, ...] = SUPPORTED_MODEL_TYPES
     ragged = True  # eager rows of different lengths run unpadded (subclasses whose mixers need [b, n]: False)
+    verifies_trees = True  # attention alone: a tree's nodes see their ancestors by mask (hybrids: False)
     packs_layers = True  # self-attention layers run as `DenseLayer`s (subclasses with their own mixers: False)
 
     def __init__(
@@ -257,7 +259,37 @@ class NativeTarget(PagedTarget):
             static = self._static_step.run(rows, features)
             if static is not None:
                 return static
+        return self._eager(rows, self._batch(rows), features, last_only)
+
+    @torch.inference_mode()
+    def forward_tree(self, rows: Rows, trees: Sequence[DraftTree], features: bool) -> list[TargetOutput]:
+        """Tree rows (`TargetRunner.forward_tree`) through the eager forward: the rows' geometry as for a chain of
+        their tokens (keys written at rows start + i, causal by row), the rotary positions start + depth, and the
+        mask cut to each node's ancestors (`tree_mask`)."""
+        self._check(rows)
         batch = self._batch(rows)
+        n = batch.n
+        depth = torch.tensor([(tr.depths + [0] * n)[:n] for tr in trees], device=self.device)
+        vis = torch.tensor([[(row + [0] * n)[:n] for row in tr.visibility()] + [[0] * n] * (n - tr.size)
+                            for tr in trees], dtype=torch.bool, device=self.device)
+        assert batch.attention.mask is not None  # a tree row has two tokens at least: the mask is built
+        batch.attention.mask = tree_mask(batch.attention.mask, vis, batch.pos[:, 0])
+        batch.pos = batch.pos[:, :1] + depth
+        return self._eager(rows, batch, features, False)
+
+    def compact(self, cache: Slot, start: int, keep: Sequence[int]) -> None:
+        moved = [(start + d, start + a) for d, a in enumerate(keep) if a != d]
+        if moved:
+            kvb = self.kv_block_size
+            rows = torch.tensor([[cache.blocks[p // kvb] * kvb + p % kvb for p in pair] for pair in moved],
+                                device=self.device)
+            for kc, vc in zip(self.k_cache, self.v_cache):
+                kc.index_copy_(0, rows[:, 0], kc.index_select(0, rows[:, 1]))
+                vc.index_copy_(0, rows[:, 0], vc.index_select(0, rows[:, 1]))
+        cache.length = start + len(keep)
+
+    def _eager(self, rows: Rows, batch: Batch, features: bool, last_only: bool) -> list[TargetOutput]:
+        """The eager forward of `rows` with their geometry `batch` (ragged when their lengths differ)."""
         b, n = batch.b, batch.n
         if self.ragged and b > 1 and any(len(t) != n for t, _, _ in rows):
             return self._forward_ragged(rows, batch, features, last_only)
