@@ -8,10 +8,9 @@
 requests at a time. `tree`: the chain (`--speculation adaptive --tree-budget 0`), the tree (`--speculation tree`)
 and the adaptive policy weighing both (`--speculation adaptive --tree-budget N`), at each number of concurrent
 streams. Every prompt of the bundled sets runs `--seeds` times (one request each, seed 1000 s + i, ending at EOS or
-`--max-tokens`); the acceptance
-length is pooled over all the steps of all the requests (accepted draft tokens over verify steps, plus one); tok/s is
-output tokens over the wall time of the whole batch. Rounds alternate the order of the variants; one torch thread. A
-benchmark command, not a test.
+`--max-tokens`); the acceptance length is pooled over all the steps of all the requests (accepted draft tokens over
+verify steps, plus one); tok/s is output tokens over the wall time of the whole batch. Rounds alternate the order of
+the variants; one torch thread. A benchmark command, not a test.
 """
 
 from __future__ import annotations
