@@ -258,6 +258,7 @@ class DraftConfig:
 
 
 BACKENDS = ("auto", "native", "generic", "hf")
+MAX_TREE_BUDGET = 256  # a tree's nodes at most: the verify row is one request's, and its logits grow with it
 SPEC_SAMPLING = ("keyed", "rejection")  # how a sampled request accepts draft tokens (`dflash_core.rejection`)
 COMPILE_SCOPES = ("layer", "step")  # what one compiled graph holds (`dflash_core.compile.default_scope`)
 
@@ -354,7 +355,7 @@ class EngineConfig:
     tree_budget: int = _setting(
         32, "the most draft nodes a verified tree holds: the top prefixes of the draft's per-position candidates, "
         "verified in one row (native backend, DFlash drafts, requests without logits processing; --speculation "
-        "tree: every tree's size; adaptive: the largest it weighs; 0: chains only)")
+        "tree: every tree's size; adaptive: the largest it weighs; 0: chains only; at most 256)")
     spec_sampling: str = _setting(
         "keyed", "how a sampled request (temperature > 0) accepts draft tokens: keyed (the target's own "
         "position-keyed draw must equal the draft's token: seeded text is the same with and without speculation) "
@@ -408,8 +409,9 @@ class EngineConfig:
             raise ValueError(f"compile_scope must be one of {', '.join(COMPILE_SCOPES)}, got {self.compile_scope!r}")
         if self.speculation not in POLICIES:
             raise ValueError(f"speculation must be one of {', '.join(POLICIES)}, got {self.speculation!r}")
-        if isinstance(self.tree_budget, bool) or not isinstance(self.tree_budget, int) or self.tree_budget < 0:
-            raise ValueError(f"tree_budget must be a non-negative integer, got {self.tree_budget!r}")
+        if (isinstance(self.tree_budget, bool) or not isinstance(self.tree_budget, int)
+                or not 0 <= self.tree_budget <= MAX_TREE_BUDGET):
+            raise ValueError(f"tree_budget must be an integer from 0 to {MAX_TREE_BUDGET}, got {self.tree_budget!r}")
         if self.speculation == "tree" and not self.tree_budget:
             raise ValueError("speculation tree needs a tree_budget of at least 1")
         if self.spec_sampling not in SPEC_SAMPLING:

@@ -22,6 +22,7 @@ from dflash_core.grammar import GrammarBackend, GrammarState
 from dflash_core.kv.manager import KVManager
 from dflash_core.kv.pool import KVStats
 from dflash_core.kv.requests import RequestMemory
+from dflash_core.memory import verify_rows
 from dflash_core.outputs import FINISH_ABORT, FINISH_ERROR, StepOutput
 from dflash_core.pace import DecodePace
 from dflash_core.processors import build_processor
@@ -38,7 +39,7 @@ from dflash_core.speculation import StepCosts, WidthPolicy
 from dflash_core.stats import RequestStats
 from dflash_core.timing import StepClock, device_timer
 from dflash_core.tree import TREE_TOP_K, DraftTree
-from dflash_core.verify import step_choices, verify_plans
+from dflash_core.verify import step_choices, tree_budget_for, verify_plans
 
 log = logging.getLogger("dflash.engine")
 
@@ -86,9 +87,12 @@ class Engine:
         if kv is None:  # engines that share a runner must share its KV memory: pass `kv`
             kv = KVManager.for_runners(target, drafter, max_slots, enable_prefix_caching)
         self.kv = kv
-        # a tree writes its nodes' keys at rows past the position, up to tree_budget of them (a chain: block_size - 1)
-        tree_budget = tree_budget if target.verifies_trees and drafter is not None else 0
-        self.memory = RequestMemory(kv, target, drafter, max(self.block_size, tree_budget + 1))
+        tree_budget = tree_budget_for(speculation, tree_budget, target, drafter)
+        # a chain writes block_size rows past the position; a tree up to tree_budget + 1, from free blocks only
+        self.memory = RequestMemory(kv, target, drafter, self.block_size, tree_budget + 1 if tree_budget else 0)
+        # on CUDA a step's tree rows stay within the logits the memory plan reserves (`memory.verify_rows`)
+        self._tree_tokens = verify_rows(kv.slots.capacity or 1, self.block_size, tree_budget + 1 if speculation ==
+                                        "tree" else 0) if target.device.type == "cuda" else None
         self.eos_token_ids = list(eos_token_ids or [])
         self.max_model_len = int(max_model_len or target.max_position_embeddings)
         self._ids = itertools.count()
@@ -386,7 +390,8 @@ class Engine:
         if not items:
             return list(plans.values()), failed
         sampling = [draft_sampling(self.spec_sampling, r.params, r.seed) for r in drafting]
-        candidates = TREE_TOP_K if self.policy.uses_trees else 0
+        # candidates only where a tree may follow (they cost a top-k, and on CUDA the compiled whole-step graph)
+        candidates = TREE_TOP_K if self.policy.uses_trees and any(map(self._tree_ok, drafting)) else 0
         mark = self.clock.start()
         try:
             for req, prop in zip(drafting, self.drafter.propose_scored(items, sampling, candidates)):
@@ -416,10 +421,10 @@ class Engine:
         if not proposed:
             return done
         keep = self.policy.widths([prop.confidence for _, prop in proposed], verify_budget)
-        # a tree: a request without logits processing whose draws are the target's own (not rejection sampling)
-        tree_ok = [req.processor is None and not rejects(self.spec_sampling, req.params) for req, _ in proposed]
-        room = [(self.target.max_len or self.max_model_len + self.block_size) - req.position - 1 for req, _ in proposed]
-        plans = verify_plans(proposed, keep, self.policy, tree_ok, room, verify_budget)
+        tree_ok = [self._tree_ok(req) for req, _ in proposed]
+        room = [self.memory.tree_room(req) for req, _ in proposed]
+        caps = [c for c in (verify_budget, self._tree_tokens) if c is not None]
+        plans = verify_plans(proposed, keep, self.policy, tree_ok, room, min(caps) if caps else None)
         rows = [TargetRow(tree.tokens, req.position, req.cache) for req, tree in plans]
         mark = self.clock.start()
         trees = [tree for _, tree in plans]
@@ -438,9 +443,9 @@ class Engine:
                 done.append((req, self._error(req, out if isinstance(out, BaseException) else chosen)))
                 continue
             step = self._guarded(req, self._accept, tree, out, chosen)
-            if tree.is_chain:
+            if step.error is None and tree.is_chain:  # a failed step accepted nothing: no calibration
                 self.policy.calibrate(confidence[req.id][: tree.size - 1], step.num_accepted_tokens)
-            else:
+            elif step.error is None:
                 self.policy.calibrate_tree(tree.expected_accepted(), step.num_accepted_tokens)
             done.append((req, step))
             req.stats.decode_time += now - t0
@@ -449,6 +454,10 @@ class Engine:
         self.pace.observe(self.policy.costs, len(plans), committed, now - t0 if seconds is None else seconds,
                           speculative=self.drafter is not None)
         return done
+
+    def _tree_ok(self, req: EngineRequest) -> bool:
+        """A request may verify a tree: no logits processing, and its draws are the target's own (keyed)."""
+        return req.processor is None and not rejects(self.spec_sampling, req.params)
 
     @staticmethod
     def _processed(req: EngineRequest, logits: torch.Tensor, proposals: list[int]) -> torch.Tensor:

@@ -355,7 +355,8 @@ def memory_budget(
     elif device.type == "cuda":
         utilization = config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
         free, total = torch.cuda.mem_get_info(device)
-        logits = verify_logits_bytes(slots, block, int(text.vocab_size), config.max_num_batched_tokens)
+        tree_rows = config.tree_budget + 1 if config.speculation == "tree" else 0
+        logits = verify_logits_bytes(slots, block, int(text.vocab_size), config.max_num_batched_tokens, tree_rows)
         cache_budget = cuda_cache_budget(utilization, total, weights, logits)
         source = f"--gpu-memory-utilization {utilization} of {total / 1e9:.1f} GB"
         # never more than the card has free now (another process, or another engine of this one, holds the rest):

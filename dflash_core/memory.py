@@ -346,10 +346,17 @@ def cuda_cache_budget(utilization: float, total: int, weights: int, logits_bytes
     return int(utilization * total) - weights - ACTIVATION_RESERVE - logits_bytes
 
 
-def verify_logits_bytes(slots: int, block: int, vocab: int, max_num_batched_tokens: int | None) -> int:
-    """float32 logits of the widest step: every running request verifying a block (at least 16 wide: the widest
-    width bucket), at most the step's token budget."""
-    tokens = slots * max(block, 16)
+def verify_rows(slots: int, block: int, tree_rows: int = 0) -> int:
+    """Rows of the widest verify step the plan reserves logits for: every running request verifying a block (at
+    least 16 wide: the widest width bucket) or, under `--speculation tree`, a tree of `tree_rows` (the engine keeps
+    a step's trees within it; the adaptive policy's trees take what narrower rows leave)."""
+    return slots * max(block, 16, tree_rows)
+
+
+def verify_logits_bytes(slots: int, block: int, vocab: int, max_num_batched_tokens: int | None,
+                        tree_rows: int = 0) -> int:
+    """float32 logits of the widest step (`verify_rows`), at most the step's token budget."""
+    tokens = verify_rows(slots, block, tree_rows)
     if max_num_batched_tokens is not None:
         tokens = min(tokens, max_num_batched_tokens)
     return tokens * vocab * 4

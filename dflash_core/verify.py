@@ -9,12 +9,30 @@ import torch
 
 from dflash_core.rejection import rejects
 from dflash_core.request_state import EngineRequest
-from dflash_core.runners.base import Proposal, TargetOutput
+from dflash_core.runners.base import Drafter, Proposal, TargetOutput, TargetRunner
 from dflash_core.sampling import Block, choose_step
 from dflash_core.speculation import WidthPolicy
 from dflash_core.tree import DraftTree, build_tree
 
 log = logging.getLogger("dflash.engine")
+
+
+def tree_budget_for(speculation: str, tree_budget: int, target: TargetRunner, drafter: Drafter | None) -> int:
+    """The tree budget an engine verifies with: 0 where the target cannot verify trees, and under the adaptive
+    policy where the steps are compiled (a tree step runs eagerly, at a cost the policy does not measure apart from
+    the compiled chains'); `--speculation tree` keeps trees there. Says so once where it changes the setting."""
+    if not tree_budget or drafter is None:
+        return 0
+    if not target.verifies_trees:
+        if speculation == "tree":
+            log.warning("--speculation tree: the %s backend verifies chains only (every step verifies the full "
+                        "block)", target.backend)
+        return 0
+    if speculation == "adaptive" and (target.compiled_steps or drafter.compiled_whole_step):
+        log.info("adaptive speculation weighs chains only with compiled steps (a tree runs eagerly); "
+                 "--speculation tree verifies trees")
+        return 0
+    return tree_budget
 
 
 def grammar_cut(req: EngineRequest, proposals: list[int]) -> list[int]:

@@ -180,6 +180,10 @@ MUTATIONS: tuple[Mutation, ...] = (
       "q = rows.processed(unary[:, pos] + self._pair(hp[:, pos], tokens[-1], cand[:, pos]))",
       "q = rows.processed(unary[:, pos])", "tests/test_rejection.py"),
     # tree verification
+    m("tree_rows_preempt_for_their_blocks", "dflash_core/kv/requests.py", "RequestMemory.make_room",
+      "while req.kv is not None and not self.kv.grow(req.kv, req.position + self.width):",
+      "while req.kv is not None and not self.kv.grow(req.kv, req.position + max(self.width, self.tree_width)):",
+      "tests/test_tree.py::test_a_tree_takes_free_blocks_only"),
     m("tree_nodes_see_their_siblings", "dflash_core/tree.py", "tree_mask",
       "return mask & ((rel < 0)[:, None, :] | seen)[:, None]", "return mask", "tests/test_tree.py"),
     m("tree_rows_keep_the_chain_positions", "dflash_core/runners/native.py", "NativeTarget.forward_tree",

@@ -44,6 +44,8 @@ def test_float_rejects_what_is_not_a_finite_number(raw: object) -> None:
         ("--header-timeout", "0"),
         ("--keep-alive-timeout", "-2"),
         ("--limit-concurrency", "0"),
+        ("--tree-budget", "-1"),
+        ("--tree-budget", "257"),
     ],
 )
 def test_impossible_values_are_refused(flag: str, value: str) -> None:

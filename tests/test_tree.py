@@ -9,18 +9,25 @@ from __future__ import annotations
 
 import itertools
 import math
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 from dflash_core.config import EngineConfig
+from dflash_core.engine import Engine
 from dflash_core.generate import run_to_completion
+from dflash_core.kv.manager import KVManager
+from dflash_core.kv.pool import BlockPool, blocks_for
 from dflash_core.loading import load_models
 from dflash_core.runners.base import TargetRow
 from dflash_core.runners.native import NativeTarget
 from dflash_core.sampling import SamplingParams
+from dflash_core.slots import SlotPool
 from dflash_core.speculation import WidthPolicy
 from dflash_core.tree import DraftTree, build_tree
+from dflash_core.verify import tree_budget_for
 from tests.helpers import make_target
 from tests.test_draft_reference import demo_prompts
 
@@ -193,6 +200,56 @@ def test_requests_that_cannot_take_a_tree_keep_their_chain(plain_engine) -> None
     ids = [o.request_id for o in outs]
     assert False in kinds[ids[0]]  # the plain greedy request verified trees
     assert kinds[ids[1]] == {True} and kinds[ids[2]] == {True}
+
+
+def test_a_tree_takes_free_blocks_only(plain_engine) -> None:  # noqa: ANN001
+    """A pool that holds one request of max_model_len and no more (the memory plan's minimum): a tree request runs
+    to the length limit without one preemption (trees shrink to the blocks held, never preempt for their rows), with
+    plain decoding's tokens, and verified trees wider than the block while blocks were free."""
+    models = load_models(EngineConfig(max_running_requests=1), warm_up=False)
+    target, drafter = models.engine.target, models.engine.drafter
+    length = 100  # not a multiple of the KV block: the last steps have no block to spare
+    kv = KVManager(SlotPool(1), BlockPool(blocks_for(length + 16 + 1, 16) + 1, 16, True), reserve=16)
+    engine = Engine(target, drafter, eos_token_ids=[], max_model_len=length, kv=kv, speculation="tree",
+                    tree_budget=32)
+    widths: list[int] = []
+    original = engine._accept
+
+    def spy(req, tree, out, chosen):  # noqa: ANN001, ANN202
+        widths.append(tree.size)
+        return original(req, tree, out, chosen)
+
+    engine._accept = spy
+    steps = itertools.count()
+    step = engine.step
+
+    def bounded_step():  # noqa: ANN202  (a request preempting itself for its tree's rows would step forever)
+        assert next(steps) < 200, "the request never finishes"
+        return step()
+
+    engine.step = bounded_step
+    prompt = [demo_prompts(models, 1)[0][:40]]  # to position 100: a tree's 33 rows past it need a 9th block
+    params = [SamplingParams(max_tokens=length - len(prompt[0]), ignore_eos=True)]
+    out = run_to_completion(engine, prompt, params)[0]
+    assert out.error is None and engine.memory.preemptions == 0
+    assert out.token_ids == run_to_completion(plain_engine, prompt, params)[0].token_ids
+    assert max(widths) > engine.block_size
+
+
+def test_the_tree_budget_an_engine_takes() -> None:
+    """Trees need a runner that verifies them; the adaptive policy weighs them only where the steps run eagerly
+    (a compiled step's tree would run eagerly at an unmeasured cost); `--speculation tree` keeps them."""
+    def target(trees: bool = True, compiled: bool = False) -> Any:
+        return SimpleNamespace(verifies_trees=trees, compiled_steps=compiled, backend="native")
+
+    eager, whole_step = SimpleNamespace(compiled_whole_step=False), SimpleNamespace(compiled_whole_step=True)
+    assert tree_budget_for("adaptive", 32, target(), eager) == 32
+    assert tree_budget_for("adaptive", 32, target(trees=False), eager) == 0
+    assert tree_budget_for("tree", 32, target(trees=False), eager) == 0
+    assert tree_budget_for("adaptive", 32, target(compiled=True), eager) == 0
+    assert tree_budget_for("adaptive", 32, target(), whole_step) == 0
+    assert tree_budget_for("tree", 32, target(compiled=True), whole_step) == 32
+    assert tree_budget_for("tree", 32, target(), None) == 0
 
 
 def test_hybrid_targets_verify_chains_only() -> None:

@@ -42,10 +42,12 @@ class _Joined(Sequence[int]):
 
 class RequestMemory:
     """A request's slot, blocks and caches (see the module docstring). `width`: the positions a decode step may
-    write past a request's position (the draft block)."""
+    write past a request's position (the draft block), made room for by preemption; `tree_width`: the positions a
+    verified tree may write (its nodes and root), taken only from free blocks (`tree_room`)."""
 
-    def __init__(self, kv: KVManager, target: TargetRunner, drafter: Drafter | None, width: int) -> None:
-        self.kv, self.target, self.drafter, self.width = kv, target, drafter, width
+    def __init__(self, kv: KVManager, target: TargetRunner, drafter: Drafter | None, width: int,
+                 tree_width: int = 0) -> None:
+        self.kv, self.target, self.drafter, self.width, self.tree_width = kv, target, drafter, width, tree_width
         self.preemptions = 0
 
     def admit(self, req: EngineRequest) -> bool:
@@ -157,3 +159,24 @@ class RequestMemory:
         for req in sorted(decoding, key=lambda r: r.id):
             while req.kv is not None and not self.kv.grow(req.kv, req.position + self.width):
                 preempt(max((r for r in holders if r.kv is not None), key=lambda r: r.id))
+        # A tree's wider rows take free blocks only: never a preemption, so the pool's sizing (a block per request)
+        # and admission stay as for chains, and a tree shrinks to what is free (`tree_room`).
+        if self.tree_width > self.width:
+            for req in sorted(decoding, key=lambda r: r.id):
+                if req.kv is not None:
+                    self.kv.grow(req.kv, min(req.position + self.tree_width, self._max_len(req)))
+
+    def _max_len(self, req: EngineRequest) -> int:
+        """Positions a request's caches may hold: the runner's length (unbounded: as far as a tree reaches)."""
+        return self.target.max_len if self.target.max_len is not None else req.position + self.tree_width + 1
+
+    def writable(self, req: EngineRequest) -> int:
+        """Positions the request's caches hold now: the runner's length, less where its blocks end."""
+        blocks = None if req.kv is None else req.kv.blocks
+        if blocks is None or self.kv.block_size is None:
+            return self._max_len(req)
+        return min(self._max_len(req), len(blocks) * self.kv.block_size)
+
+    def tree_room(self, req: EngineRequest) -> int:
+        """Draft nodes a tree of this request may verify now: rows past its position that its blocks hold."""
+        return max(0, self.writable(req) - req.position - 1)

@@ -81,6 +81,11 @@ class TargetRunner(ABC):
     verifies_trees: bool = False  # `forward_tree` and `compact` work (a tree's nodes may share positions)
 
     @property
+    def compiled_steps(self) -> bool:
+        """Whether its decode steps run compiled graphs (`forward_tree` runs the eager forward)."""
+        return False
+
+    @property
     def pads_rows(self) -> bool:
         """Whether a batched forward pads its rows to the widest (a step then costs rows x widest tokens), rather
         than running each row's own tokens; the width policy prices verify rows by it."""
@@ -200,6 +205,12 @@ class Drafter(ABC):
         """Per-request state for the request holding `slot`. A paged drafter keeps its context rows in `blocks`, the
         request's block table (the same list as its target cache's; None: the slot's own fixed run of blocks), of
         which the first `cached` positions already hold them (a prefix-cache hit); other drafters ignore both."""
+
+    @property
+    def compiled_whole_step(self) -> bool:
+        """Whether a proposal runs as one compiled graph that chooses the argmax inside it (drawn proposals and a
+        tree's candidates then run the eager step)."""
+        return False
 
     def context_written(self, state: Any) -> int:
         """Leading positions whose context rows are in the drafter's shared (paged) cache: the engine enters a full

@@ -126,6 +126,10 @@ class DFlashDrafter(Drafter):
                 dims = {0: (0, 1), 1: (0, 1), 2: (0, 1), 3: (0, 1), 4: (0, 1), 5: (0,), 6: (0,), 7: (0, 1)}
                 self._step = self.static.wrap(self._static_forward, target.device, dynamic=dims)
 
+    @property
+    def compiled_whole_step(self) -> bool:
+        return self._step is not None and self._region is None
+
     def replace_draft(self, draft: DFlashDraft) -> None:
         """Copy `draft`'s weights into the serving draft's tensors, in place: the compiled steps and recorded CUDA
         graphs read those tensors, so they serve the new weights unchanged. Only a draft of the same config (shapes,
@@ -305,7 +309,7 @@ class DFlashDrafter(Drafter):
             if "top_ids" not in extras:
                 out.append(Proposal([int(t) for t in host[0][r][1 : n + 1]], host[1][r][1 : n + 1], dist))
                 continue
-            rows, k = host[r][1 : n + 1], asked.candidates
+            rows, k = host[r][1 : n + 1], extras["top_ids"].shape[-1]  # fewer than asked in a tiny vocabulary
             out.append(Proposal([int(x[0]) for x in rows], [x[1] for x in rows], dist,
                                 ([[int(t) for t in x[2 : 2 + k]] for x in rows], [x[2 + k :] for x in rows])))
         return out

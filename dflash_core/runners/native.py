@@ -154,6 +154,10 @@ class NativeTarget(PagedTarget):
         return not self.ragged or self.static is not None
 
     @property
+    def compiled_steps(self) -> bool:
+        return self.static is not None
+
+    @property
     def embed_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight
 
