@@ -406,13 +406,16 @@ def resolve_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] |
     env = os.environ if env is None else env
     args = build_parser().parse_args(argv)
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {}  # where each value came from, for a value that fails validation
     config = args.config or env.get(ENV_PREFIX + "CONFIG")
     if config:
         values.update(load_yaml(config))
+        sources.update(dict.fromkeys(values, str(config)))
     for name in _FIELDS:
         key = ENV_PREFIX + name.upper()
         if key in env:
             values[name] = convert(name, env[key], f"environment {key}")
+            sources[name] = f"environment {key}"
     if args.model is not None:
         if args.target is not None and args.target != args.model:
             raise ValueError(f"the positional MODEL {args.model!r} and --target/--model {args.target!r} differ")
@@ -421,4 +424,11 @@ def resolve_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] |
         value = getattr(args, name)
         if value is not None:
             values[name] = convert(name, value, "flag --" + name.replace("_", "-"))
-    return Settings(**values)  # validates (ValueError naming the setting)
+            sources[name] = "flag --" + name.replace("_", "-")
+    try:
+        return Settings(**values)  # validates (ValueError naming the setting)
+    except ValueError as exc:  # a message that starts with a setting's name: say where its value came from
+        named = str(exc).split(" ", 1)[0]
+        if named in sources:
+            raise ValueError(f"{sources[named]}: {exc}") from None
+        raise

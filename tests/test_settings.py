@@ -123,3 +123,14 @@ def test_a_text_setting_takes_none_as_its_value() -> None:
     assert resolve_settings(["--served-model-name", "none"], env={}).served_model_name is None
     with pytest.raises(ValueError, match="must not be empty"):
         resolve_settings(["--generation-config", ""], env={})
+
+
+def test_a_value_that_fails_validation_names_where_it_came_from(tmp_path) -> None:  # noqa: ANN001
+    with pytest.raises(ValueError, match="^environment DFLASH_TREE_BUDGET: tree_budget must be"):
+        resolve_settings([], env={"DFLASH_TREE_BUDGET": "-3"})
+    config = tmp_path / "c.yaml"
+    config.write_text("spec_sampling: foo\n")
+    with pytest.raises(ValueError, match=f"^{config}: spec_sampling must be one of"):
+        resolve_settings(["--config", str(config)], env={})
+    with pytest.raises(ValueError, match="^flag --tree-budget: tree_budget must be"):
+        resolve_settings(["--tree-budget", "300"], env={"DFLASH_TREE_BUDGET": "3"})
