@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from dflash_core.runners.base import DraftSampling
-from dflash_core.sampling import _MASK64, _signed, inverse_cdf_choice, processed_rows
+from dflash_core.sampling import _MASK64, _signed, filters_used, inverse_cdf_choice, processed_rows
 
 
 class RowSampling:
@@ -29,8 +29,7 @@ class RowSampling:
                             dtype=torch.int64).to(device)
         self.temperature, self.min_p, self.top_p = floats.unbind(1)
         self.top_k, self.seeds = ints.unbind(1)
-        self.use = dict(use_min_p=any(p.min_p > 0.0 for p in ps), use_top_k=any(p.top_k > 0 for p in ps),
-                        use_top_p=any(p.top_p < 1.0 for p in ps))
+        self.use = filters_used(ps)
 
     def processed(self, scores: torch.Tensor, repeat: int = 1) -> torch.Tensor:
         """Probabilities of scores [b * repeat, C] (row r of the parameters for `repeat` consecutive rows)."""

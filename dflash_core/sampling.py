@@ -278,6 +278,12 @@ def float_bits(value: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(value)))[0]
 
 
+def filters_used(params: Sequence[SamplingParams]) -> dict[str, bool]:
+    """`processed_rows`' switches for rows with these parameters: a filter no row uses is skipped."""
+    return dict(use_min_p=any(p.min_p > 0.0 for p in params), use_top_k=any(p.top_k > 0 for p in params),
+                use_top_p=any(p.top_p < 1.0 for p in params))
+
+
 def processed_rows(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor,
                    top_p: torch.Tensor, *, use_min_p: bool = True, use_top_k: bool = True,
                    use_top_p: bool = True) -> torch.Tensor:
@@ -307,13 +313,6 @@ def processed_rows(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch
         probs = torch.where((top_p < 1.0)[:, None], nucleus, probs)
     bad = ~torch.isfinite(probs).all(dim=-1, keepdim=True)
     return onehot.where(bad, probs)
-
-
-def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor, top_k: torch.Tensor,
-                top_p: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, **use: bool) -> torch.Tensor:
-    """`choose_token_tensor` for sampled rows of many requests at once: `processed_rows`, then each row's draw
-    (seeds: the int64 with the seed's bits, positions int64, [S] each) -> tokens [S]."""
-    return race_choice(processed_rows(logits, temperature, min_p, top_k, top_p, **use), seeds, positions)
 
 
 def race_among(probs: torch.Tensor, token_ids: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
@@ -449,10 +448,8 @@ def _choose_rows(blocks: Sequence[Block | None], rows: list[tuple[int, torch.Ten
             temperature, min_p, top_p, top_k, seeds, positions = (
                 torch.cat([t[s] for s in keep]) for t in (temperature, min_p, top_p, top_k, seeds, positions))
         ps = [blocks[i].params for i, _, _ in sampled]  # type: ignore[union-attr]
-        probs = processed_rows(
-            torch.cat([x for _, x, _ in sampled]), _as_float(temperature), _as_float(min_p), top_k, _as_float(top_p),
-            use_min_p=any(p.min_p > 0.0 for p in ps), use_top_k=any(p.top_k > 0 for p in ps),
-            use_top_p=any(p.top_p < 1.0 for p in ps))
+        probs = processed_rows(torch.cat([x for _, x, _ in sampled]), _as_float(temperature), _as_float(min_p), top_k,
+                               _as_float(top_p), **filters_used(ps))
         chosen = race_choice(probs, seeds, positions)
         if drafts:
             from dflash_core.rejection import rejection_rows  # it builds on this module's draws

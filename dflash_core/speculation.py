@@ -324,20 +324,19 @@ class WidthPolicy:
             options = [k for k in TREE_BUDGETS if k <= min(self.tree_budget, len(probs))] or [len(probs)]
             if self.policy == "tree":
                 options = [min(self.tree_budget, len(probs))]
-            best, best_rate = 0, -1.0 if self.policy == "tree" else tokens / max(spent + self.costs.target(verified),
-                                                                                   1e-9)
+            best, best_gain = 0, 0.0
+            best_rate = -1.0 if self.policy == "tree" else tokens / max(spent + self.costs.target(verified), 1e-9)
             for k in options:
                 grown = verified - chain_tokens[r] + 1 + k
                 if grown > limit:
                     continue
-                gain = tokens - chain_gains[r] + min(float(k), self.tree_calibration * sum(probs[:k]))
-                rate = gain / max(spent + self.costs.target(grown), 1e-9)
+                gain = min(float(k), self.tree_calibration * sum(probs[:k]))
+                rate = (tokens - chain_gains[r] + gain) / max(spent + self.costs.target(grown), 1e-9)
                 if rate > best_rate:
-                    best, best_rate = k, rate
+                    best, best_gain, best_rate = k, gain, rate
             if best:
-                gain = min(float(best), self.tree_calibration * sum(probs[:best]))
                 verified += 1 + best - chain_tokens[r]
-                tokens += gain - chain_gains[r]
+                tokens += best_gain - chain_gains[r]
                 sizes[r] = best
         return sizes
 

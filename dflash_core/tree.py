@@ -89,7 +89,7 @@ class DraftTree:
 
     def expected_accepted(self) -> float:
         """The draft's expectation of the accepted nodes: the sum of every node's path probability."""
-        return sum(math.exp(lp) for lp in self.logp[1:])
+        return sum(self.node_probs())
 
 
 def build_tree(root: int, top_ids: Sequence[Sequence[int]], top_logp: Sequence[Sequence[float]],
