@@ -10,24 +10,38 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from dflash_core.weight_layout import is_input_major
 
 # Types no draft can use (none today; the table stays so that a future type can be refused with its reason).
 REFUSED_ROPE_TYPES: dict[str, str] = {}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm, op for op (normed in float32, cast back to x's dtype, then times the weight; on a CPU
-    faster than `F.rms_norm`, which composes more ops). `weight` may have more dimensions than one (per-head
-    weights: [heads, d] over x [..., heads, d])."""
+    """transformers' RMSNorm, op for op (normed in float32, cast back to x's dtype, then times the weight).
+    `weight` may have more dimensions than one (per-head weights: [heads, d] over x [..., heads, d])."""
+    if x.dtype == torch.float32:
+        # float32: the cast back is nothing, so torch's fused norm is the same arithmetic (bit for bit) in one op
+        # instead of five; the weight goes on after it, per head when it has more dimensions
+        if weight.dim() == 1:
+            return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
     y = x.float()
     y = y * torch.rsqrt(torch.mean(y * y, -1, keepdim=True).add_(eps))
     return weight * y.to(x.dtype)
 
 
 def pack_linears(linears: list[nn.Linear]) -> tuple[nn.Parameter, nn.Parameter | None]:
-    """The linears' weights (and biases) as one packed tensor each; each linear's own becomes a view of it."""
-    weight = nn.Parameter(torch.cat([lin.weight.detach() for lin in linears]), requires_grad=False)
+    """The linears' weights (and biases) as one packed tensor each; each linear's own becomes a view of it. Weights
+    stored input-major (`dflash_core/weight_layout.py`) pack input-major."""
+    weights = [lin.weight.detach() for lin in linears]
+    if all(is_input_major(w) for w in weights):
+        packed = torch.cat([w.t() for w in weights], dim=1).t()
+    else:
+        packed = torch.cat(weights)
+    weight = nn.Parameter(packed, requires_grad=False)
     has_bias = [lin.bias is not None for lin in linears]
     if any(has_bias) and not all(has_bias):
         raise ValueError("some projections have a bias and some do not")

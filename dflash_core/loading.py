@@ -46,6 +46,7 @@ from dflash_core.runners.generic import ATTENTION_LAYER_TYPES, GenericTarget, KV
 from dflash_core.runners.hf import HFTarget
 from dflash_core.runners.hybrid import HYBRID_MODEL_TYPES, HybridTarget, hybrid_unsupported
 from dflash_core.runners.native import NativeTarget, supports
+from dflash_core.weight_layout import store_input_major, stores_input_major
 
 log = logging.getLogger("dflash.loading")
 
@@ -186,6 +187,8 @@ def load_models(config: EngineConfig, warm_up: bool = True) -> LoadedModels:
     dt = resolve_dtype(config.dtype, dev)
     tok = AutoTokenizer.from_pretrained(str(local_folder(config.tokenizer or target)))
     model = load_target(target, dev, dt)
+    if stores_input_major(dev, dt):  # before any runner packs or views the weights
+        store_input_major(model)
     use_draft = config.speculative and draft is not None and (block_size is None or block_size > 1)
     draft_path = local_folder(draft) if use_draft else None
     cfg = read_draft_config(draft_path) if draft_path is not None else None
@@ -204,6 +207,8 @@ def load_models(config: EngineConfig, warm_up: bool = True) -> LoadedModels:
     if cfg is not None:
         check_pair(cfg, target_model)
         draft_model = DFlashDraft.from_folder(draft_path, device=dev, dtype=dt)
+        if stores_input_major(dev, dt):
+            store_input_major(draft_model)
         # a slot-indexed target gets a slot-indexed (batched) draft cache of the same slots and length
         batched = target_model.max_slots is not None
         slot_cache = dict(max_slots=target_model.max_slots, max_len=target_model.max_len) if batched else {}
