@@ -2,8 +2,9 @@
 
 A decode step multiplies one or a few rows by every weight matrix once. On the development VM (AMD EPYC, MKL
 sgemm, one thread) that product ran at 7-8 GB/s of weights with `nn.Linear`'s own storage (`x @ W.T`, a
-transposed operand) and at 15-17 GB/s with the same matrix stored `[in, out]` (`x @ W`, nothing transposed): twice
-as fast at 1-2 rows, 15-25% at 16, no slower at 512 (docs/benchmarks.md, "Weights stored input-major").
+transposed operand) and at 12-17 GB/s with the same matrix stored `[in, out]` (`x @ W`, nothing transposed):
+1.5-2x as fast at 1-2 rows, 1.2-1.3x at 4-16, no slower at 512 (docs/benchmarks.md, "Weights stored
+input-major"). Relaying a matrix copies it once at load (peak memory: the model plus its largest matrix).
 
 Only the storage moves: a parameter keeps its shape `[out, in]`, its identity (a tied embedding stays tied, a draft
 sharing the target's output head still shares it) and its values, so every `F.linear(x, w)` and every module runs
