@@ -301,11 +301,11 @@ class Engine:
         except Exception:
             log.warning("batched target forward failed; retrying request by request", exc_info=True)
         outs: list[TargetOutput | BaseException] = []
-        for r, (tokens, start, cache) in enumerate(rows):
+        for r, row in enumerate(rows):
+            tokens, start, cache = row
             try:
                 # Rows that ran before the failure already appended to their cache (hf): back to the start.
                 self.target.crop(cache, start)
-                row = TargetRow(tokens, start, cache)
                 outs.append(self.target.forward_tree([row], [trees[r]], features)[0] if trees is not None else
                             self.target.forward(tokens, start, cache, features=features, last_only=last_only))
             except Exception as exc:

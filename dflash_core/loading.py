@@ -187,7 +187,8 @@ def load_models(config: EngineConfig, warm_up: bool = True) -> LoadedModels:
     dt = resolve_dtype(config.dtype, dev)
     tok = AutoTokenizer.from_pretrained(str(local_folder(config.tokenizer or target)))
     model = load_target(target, dev, dt)
-    if stores_input_major(dev, dt):  # before any runner packs or views the weights
+    input_major = stores_input_major(dev, dt)
+    if input_major:  # before any runner packs or views the weights
         store_input_major(model)
     use_draft = config.speculative and draft is not None and (block_size is None or block_size > 1)
     draft_path = local_folder(draft) if use_draft else None
@@ -207,7 +208,7 @@ def load_models(config: EngineConfig, warm_up: bool = True) -> LoadedModels:
     if cfg is not None:
         check_pair(cfg, target_model)
         draft_model = DFlashDraft.from_folder(draft_path, device=dev, dtype=dt)
-        if stores_input_major(dev, dt):
+        if input_major:
             store_input_major(draft_model)
         # a slot-indexed target gets a slot-indexed (batched) draft cache of the same slots and length
         batched = target_model.max_slots is not None
