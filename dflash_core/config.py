@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_core.kv.pool import DEFAULT_KV_BLOCK
+from dflash_core.quant.formats import LOAD_TIME_METHODS
 from dflash_core.speculation import POLICIES
 
 DRAFT_ARCHITECTURE = "DFlashDraftModel"
@@ -294,6 +295,10 @@ class EngineConfig:
     tokenizer: str | None = _setting(None, "tokenizer (default: the target's)")
     device: str = _setting("auto", "auto, cpu, cuda, cuda:N")
     dtype: str = _setting("auto", "auto, float32, bfloat16, float16")
+    quantization: str | None = _setting(
+        None, "quantize a full-precision target's linear weights while loading: fp8 (e4m3, 128x128 block scales, "
+        "as Qwen's FP8 checkpoints); a quantized checkpoint (FP8) is read as it is without this flag "
+        "(default: the checkpoint's own weights)")
     backend: str = _setting(
         "auto", "target forward: native (our own batched forward over the paged KV pool; Qwen3, Llama, Qwen2, "
         "Qwen3-MoE and the hybrids Qwen3.5, Qwen3.5-MoE, Qwen3-Next), generic (any attention-only transformers "
@@ -423,6 +428,8 @@ class EngineConfig:
             raise ValueError("prefill_chunk must be >= 0 (0: whole prompts)")
         if self.threads is not None and self.threads < 1:
             raise ValueError("threads must be >= 1")
+        if self.quantization is not None and self.quantization not in LOAD_TIME_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(LOAD_TIME_METHODS)}, got {self.quantization!r}")
 
     @classmethod
     def from_settings(cls, settings: Any) -> EngineConfig:

@@ -39,6 +39,8 @@ from dflash_core.memory import (
     ram_cache_budget,
     verify_logits_bytes,
 )
+from dflash_core.quant import gguf_refusal, quant_spec
+from dflash_core.quant.fp8 import Fp8Linear
 from dflash_core.runners.base import TargetRunner
 from dflash_core.runners.drafter import DFlashDrafter
 from dflash_core.runners.dsa import DSALayout
@@ -82,6 +84,7 @@ class LoadedModels:
     block_size: int
     backend: str = "hf"
     memory: MemoryBudget | None = None  # the start-up memory plan (logged)
+    quantization: str | None = None  # the target's quantized linear weights ("fp8"), None in full precision
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -140,17 +143,37 @@ def max_positions(model: Any) -> int:
     return int(getattr(model.config.get_text_config(), "max_position_embeddings", 4096))
 
 
-def load_target(path: str | Path, device: torch.device, dtype: torch.dtype) -> Any:
+def load_target(
+    path: str | Path, device: torch.device, dtype: torch.dtype, quantization: str | None = None
+) -> Any:
     """A transformers causal LM in eval mode on `device`; a checkpoint whose config transformers maps only to an
-    image-text-to-text model (Kimi K2.5) loads as that, and serves its text decoder."""
+    image-text-to-text model (Kimi K2.5) loads as that, and serves its text decoder. A quantized checkpoint (its
+    config's `quantization_config`), or `quantization` ("fp8": quantize while loading), keeps its linear weights
+    quantized (`dflash_core/quant/`); a format not served is refused in one line (ValueError)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    folder = str(local_folder(path))
-    config = AutoConfig.from_pretrained(folder)
+    refusal = gguf_refusal(path)
+    if refusal:
+        raise ValueError(refusal)
+    folder = local_folder(path)
+    config = AutoConfig.from_pretrained(str(folder))
     auto = AutoModelForCausalLM if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else AutoModelForImageTextToText
-    model = auto.from_pretrained(folder, dtype=dtype)
-    return model.to(device).eval()
+    qcfg = getattr(config, "quantization_config", None)
+    spec = quant_spec(qcfg if isinstance(qcfg, dict) or qcfg is None else qcfg.to_dict(), quantization)
+    if spec is None:
+        model = auto.from_pretrained(str(folder), dtype=dtype)
+    else:
+        from dflash_core.quant.loader import load_quantized
+
+        log.info("target weights: %s", spec.describe())
+        model = load_quantized(auto, folder, config, spec, dtype)
+    model = model.to(device).eval()
+    if spec is not None:
+        from dflash_core.quant.fp8_kernels import choose_kernel
+
+        choose_kernel(model, device)  # cuBLAS's FP8 GEMM where the device runs it correctly (logged)
+    return model
 
 
 def set_threads(threads: int | None, device: Any) -> None:
@@ -186,7 +209,7 @@ def load_models(config: EngineConfig, warm_up: bool = True) -> LoadedModels:
         probe_cpu_compiler(dev)
     dt = resolve_dtype(config.dtype, dev)
     tok = AutoTokenizer.from_pretrained(str(local_folder(config.tokenizer or target)))
-    model = load_target(target, dev, dt)
+    model = load_target(target, dev, dt, config.quantization)
     input_major = stores_input_major(dev, dt)
     if input_major:  # before any runner packs or views the weights
         store_input_major(model)
@@ -236,6 +259,7 @@ def load_models(config: EngineConfig, warm_up: bool = True) -> LoadedModels:
         block_size=engine.block_size,
         backend=target_model.backend,
         memory=budget,
+        quantization="fp8" if any(isinstance(m, Fp8Linear) for m in model.modules()) else None,
     )
 
 

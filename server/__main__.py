@@ -40,6 +40,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from uvicorn.server import ServerState as UvicornState
 
 import dflash_core  # noqa: F401  # before server.app loads torch: sets OMP_WAIT_POLICY=PASSIVE (see its docstring)
+from dflash_core.quant.formats import gguf_refusal
 from server import affinity
 from server.api_error import RETRY_AFTER_S
 from server.app import create_app
@@ -106,6 +107,9 @@ def preflight(settings: Settings) -> str | None:
             continue
         if not Path(value).expanduser().exists() and not _is_hub_id(value):
             return f"--{name} {value}: no such folder (and not a hub id such as 'org/name')"
+    refusal = gguf_refusal(settings.target) if settings.target is not None else None
+    if refusal:
+        return f"--target {refusal}"
     return (_device_problem(settings.device) or _budget_problem(settings) or _record_problem(settings)
             or _adapt_problem(settings))
 

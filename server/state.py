@@ -118,13 +118,14 @@ class ServerState:
         gc.collect()
         gc.freeze()
         log.info(
-            "serving %s as %r (draft %s, block size %d, device %s, dtype %s, max model len %d)",
+            "serving %s as %r (draft %s, block size %d, device %s, dtype %s%s, max model len %d)",
             models.target_name,
             self.served_model_name,
             models.draft_name or "none (autoregressive)",
             models.block_size,
             models.device,
             models.dtype,
+            f", target linear weights {models.quantization}" if models.quantization else "",
             models.engine.max_model_len,
         )
 

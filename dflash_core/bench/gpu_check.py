@@ -8,7 +8,9 @@ reports the physical anchors: the compiled plain step at batch 1 against weights
 TB/s: Qwen3-8B's 16.4 GB of bf16 weights bound a plain step near 3.4 ms, 290 tok/s; target within 1.3x) and the
 16-wide verify step against the plain step at batch 1 (target within 1.15x). Each figure: three warm calls, then
 20 timed with CUDA events, with the graphs compiled (recompiles) and host syncs counted over the timed calls; the
-peak memory is set against `dflash-bench memory`'s estimate. Writes gpu_check.json and gpu_check.png.
+peak memory is set against `dflash-bench memory`'s estimate. Last, FP8 linear layers (`fp8_check`): whether the
+block-scaled cuBLAS kernel passes its probe on the card, and its ms per multiply against bf16 and the dequantizing
+forward. Writes gpu_check.json and gpu_check.png.
 
 `--quick` (a borrowed GPU host, under 8 minutes): Qwen3-8B only, batch 1, 8 and 32, widths 1, 4 and 16, no test
 subset, then an end-to-end part (`gpu_e2e`): the server's app on the random pair, DFlash with a scripted drafter
@@ -388,8 +390,40 @@ def run_gpu_check(out_dir: Path, dry_run: bool, tests: bool = True, iters: int |
         del model, draft
         if plan.device.type == "cuda":
             torch.cuda.empty_cache()
+    _progress(f"FP8 linear layers ({time.perf_counter() - t0:.0f} s in)")
+    with torch.inference_mode():
+        result["fp8"] = fp8_check(plan)
     write(rows, e2e)
     result["plot"] = str(out_dir / "gpu_check.png") if _plot(rows, out_dir / "gpu_check.png", e2e) else None
+    return result
+
+
+def fp8_check(plan: Plan) -> dict[str, Any]:
+    """FP8 linear layers (`dflash_core/quant/`) shaped like Qwen3-8B's MLP down projection (12288 -> 4096; tiny on a
+    dry run): whether the block-scaled cuBLAS kernel passes its probe here, and ms per multiply at 1, 16 and 256 rows
+    for bf16 weights, the dequantizing FP8 forward and the kernel."""
+    import torch
+
+    from dflash_core.quant.fp8 import Fp8Linear
+    from dflash_core.quant.fp8_kernels import choose_kernel
+
+    out_f, in_f = (256, 384) if plan.device.type != "cuda" else (4096, 12288)
+    dtype = torch.bfloat16 if plan.device.type == "cuda" else torch.float32
+    weight = torch.randn(out_f, in_f, device=plan.device, dtype=dtype) * 0.02
+    layer = Fp8Linear(in_f, out_f, (128, 128), False, dtype, plan.device)
+    layer.weight.data = weight.to(layer.weight.dtype)  # unit scales: the values as FP8 rounds them
+    holder = torch.nn.Sequential(layer)
+    result: dict[str, Any] = dict(shape=[out_f, in_f])
+    for rows in (1, 16, 256):
+        x = torch.randn(rows, in_f, device=plan.device, dtype=dtype)
+        result[f"bf16_ms_{rows}"] = _time_ms(lambda x=x: torch.nn.functional.linear(x, weight), plan.device,
+                                              plan.iters)["ms"]
+        result[f"dequant_ms_{rows}"] = _time_ms(lambda x=x: layer(x), plan.device, plan.iters)["ms"]
+    choice = choose_kernel(holder, plan.device)
+    result.update(kernel=choice.used, reason=choice.reason, probe_error=choice.error)
+    for rows in (1, 16, 256) if choice.used else ():
+        x = torch.randn(rows, in_f, device=plan.device, dtype=dtype)
+        result[f"kernel_ms_{rows}"] = _time_ms(lambda x=x: layer(x), plan.device, plan.iters)["ms"]
     return result
 
 
@@ -415,6 +449,12 @@ def format_gpu_check(result: dict[str, Any]) -> str:
         m = result["memory"]
         lines.append(f"peak memory {m['peak_bytes'] / 1e9:.2f} GB vs dflash-bench memory "
                      f"{m['estimate_total_bytes'] / 1e9:.2f} GB ({m['peak_vs_estimate']:.2f}x)")
+    if result.get("fp8"):
+        f = result["fp8"]
+        times = ", ".join(f"{rows} rows bf16 {f[f'bf16_ms_{rows}']:.3f} / dequant {f[f'dequant_ms_{rows}']:.3f}"
+                          + (f" / kernel {f[f'kernel_ms_{rows}']:.3f}" if f["kernel"] else "") for rows in (1, 16, 256))
+        lines.append(f"FP8 {f['shape'][0]}x{f['shape'][1]}: {'kernel' if f['kernel'] else 'no kernel'} "
+                     f"({f['reason']}); ms {times}")
     if result.get("tests"):
         lines.append(f"tests: {result['tests']['summary']} (exit {result['tests']['returncode']})")
     lines += [f"note: {n}" for n in result["notes"]]

@@ -36,6 +36,7 @@ from dflash_core.memory import (
     state_bytes_per_slot,
     verify_logits_bytes,
 )
+from dflash_core.quant.formats import LOAD_TIME_BLOCK, quant_spec
 
 __all__ = ["GB", "CARDS", "kv_bytes_per_row", "layer_types", "state_bytes_per_slot", "memory_estimate",
            "format_memory", "memory_from_preset", "target_params", "draft_params"]
@@ -143,6 +144,10 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
     "z-lab/gpt-oss-20b-DFlash": dict(_DRAFT, hidden_size=2880, intermediate_size=2880,
                                      target_layer_ids=[1, 6, 11, 16, 21]),
 }
+# Qwen's official FP8 checkpoints: the same shapes, linear weights in FP8 e4m3 with 128 x 128 block scales (their
+# config.json's quantization_config); the embeddings, the head and the norms stay in bf16
+for _name in ("Qwen/Qwen3-8B", "Qwen/Qwen3-4B", "Qwen/Qwen3.5-9B", "Qwen/Qwen3.5-27B", "Qwen/Qwen3.6-27B"):
+    MODEL_SHAPES[f"{_name}-FP8"] = dict(MODEL_SHAPES[_name], quantization="fp8", quantization_block=(128, 128))
 GATED_ATTENTION_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
 
@@ -166,7 +171,20 @@ def _model_shape(name: str) -> dict[str, Any]:
         "attn_output_gate": cfg.get("attn_output_gate", cfg.get("model_type") in GATED_ATTENTION_TYPES),
         "target_layer_ids": dflash.get("target_layer_ids") or cfg.get("target_layer_ids") or [],
         "block_size": cfg.get("block_size") or dflash.get("block_size"),
+        **_quantization_of(cfg.get("quantization_config")),
     }
+
+
+def _quantization_of(qcfg: dict[str, Any] | None) -> dict[str, Any]:
+    """A checkpoint's quantization as the estimate counts it; a format the server does not serve is refused."""
+    if not qcfg:
+        return {}
+    try:
+        spec = quant_spec(qcfg, None)
+    except ValueError as exc:
+        raise BenchError(str(exc)) from None
+    assert spec is not None
+    return {"quantization": spec.method, "quantization_block": spec.block}
 
 
 def _attention_params(m: dict[str, Any]) -> int:
@@ -214,6 +232,44 @@ def _layer_params(m: dict[str, Any], index: int = 0, kind: str = "full_attention
     mixer = (_linear_attention_params(m) if kind == "linear_attention"
              else _attention_params(layer_shape(m, index, kind)))
     return mixer + _mlp_params(m) + 2 * int(m["hidden_size"])
+
+
+def _quantizable(m: dict[str, Any], index: int, kind: str) -> list[tuple[int, int]]:
+    """Layer `index`'s linear weights [out, in] that FP8 holds (`dflash_core/quant/`): the attention or Gated
+    DeltaNet projections and a dense MLP's (or a shared expert's); experts, norms, biases, the embeddings and the
+    head stay in the compute dtype."""
+    h = int(m["hidden_size"])
+    if kind == "linear_attention":
+        conv, _, nv, _, dv = linear_dims(m)
+        mats = [(conv, h), (nv * dv, h), (nv, h), (nv, h), (h, nv * dv)]
+    else:
+        s = layer_shape(m, index, kind)
+        heads, hd = int(s["num_attention_heads"]), int(s["head_dim"])
+        q, kv = heads * hd, int(s["num_key_value_heads"]) * hd
+        mats = [(2 * q if s.get("attn_output_gate") else q, h), (kv, h), *([] if s.get("k_eq_v") else [(kv, h)]),
+                (h, q)]
+    experts = int(m.get("num_experts") or m.get("num_local_experts") or 0)
+    dense = int(m["intermediate_size"]) if not experts or m.get("enable_moe_block") else 0
+    shared = int(m.get("shared_expert_intermediate_size") or 0) if experts else 0
+    for width in (dense, shared):
+        if width:
+            mats += [(width, h), (width, h), (h, width)]
+    return mats
+
+
+def target_weight_bytes(m: dict[str, Any], nbytes: int, quantization: str | None) -> int:
+    """The target's weights in bytes: every parameter in the compute dtype, or with `quantization` "fp8" the
+    linear weights that tile by its block (`quantization_block`, 128 x 128 by default, as transformers' op and Qwen's
+    checkpoints quantize) at one byte each plus a float32 scale per block."""
+    total = target_params(m) * nbytes
+    if quantization is None:
+        return total
+    b0, b1 = m.get("quantization_block") or LOAD_TIME_BLOCK
+    for i, kind in enumerate(layer_types(m)):
+        for out, inp in _quantizable(m, i, kind):
+            if out % b0 == 0 and inp % b1 == 0:
+                total -= out * inp * (nbytes - 1) - (out // b0) * (inp // b1) * 4
+    return total
 
 
 def target_params(m: dict[str, Any]) -> int:
@@ -276,6 +332,7 @@ def memory_estimate(
     gpu_memory_utilization: float | None = None,
     max_num_batched_tokens: int | None = 2048,
     enable_prefix_caching: bool = True,
+    quantization: str | None = None,
 ) -> dict[str, Any]:
     """Memory of the native backend, in bytes: the weights; the KV pool per position (target attention layers'
     K and V, the draft's in the same blocks) and a hybrid's recurrent state: `state_bytes_per_request` (live and
@@ -290,6 +347,12 @@ def memory_estimate(
     layer's keys at every position (a sliding-window layer's too): the figures count them all."""
     t = _model_shape(target)
     d = _model_shape(draft) if draft else None
+    if quantization is not None:  # --quantization: a full-precision checkpoint quantized while it loads
+        try:
+            quant_spec(None, quantization)
+        except ValueError as exc:
+            raise BenchError(str(exc)) from None
+    quantization = t.get("quantization") or quantization
     nbytes = DTYPE_BYTES.get(dtype)
     if nbytes is None:
         raise BenchError(f"unknown dtype {dtype!r}; choose {', '.join(DTYPE_BYTES)}")
@@ -318,7 +381,8 @@ def memory_estimate(
         "request_checkpoints": REQUEST_CHECKPOINTS if enable_prefix_caching and one else 0,
         "record_bytes_per_request": record_bytes(t, nbytes, block),
     }
-    out["weights_bytes"] = weights = (out["target_params"] + out["draft_params"]) * nbytes
+    out["quantization"] = quantization
+    out["weights_bytes"] = weights = target_weight_bytes(t, nbytes, quantization) + out["draft_params"] * nbytes
     # what backend auto picks: native for its families (without sliding windows), else generic
     native = t.get("model_type", "qwen3") in (*NATIVE_MODEL_TYPES, *HYBRID_MODEL_TYPES)
     out["backend"] = "native" if native and "sliding_attention" not in layer_types(t) else "generic"
@@ -362,6 +426,7 @@ def memory_from_preset(path: Path) -> dict[str, Any]:
         gpu_memory_utilization=cfg.get("gpu_memory_utilization"),
         max_num_batched_tokens=cfg.get("max_num_batched_tokens", 2048),
         enable_prefix_caching=bool(cfg.get("enable_prefix_caching", True)),
+        quantization=cfg.get("quantization"),
     )
     return {"preset": str(path), **est}
 
@@ -400,7 +465,8 @@ def format_memory(rows: list[dict[str, Any]]) -> str:
                            for label in labels)
         lines.append(
             f"| `{Path(r['preset']).name}` | {r['target']} ({r['target_params'] / 1e9:.2f} B params) + "
-            f"{r['draft'] or 'no draft'} ({r['draft_params'] / 1e9:.2f} B), {r['dtype']} | "
+            f"{r['draft'] or 'no draft'} ({r['draft_params'] / 1e9:.2f} B), {r['dtype']}"
+            f"{', target linear weights in FP8' if r.get('quantization') == 'fp8' else ''} | "
             f"{r['weights_bytes'] / GB:.1f} | {kv} | {cells} |"
         )
     return "\n".join(lines)

@@ -40,8 +40,8 @@ class DenseLayer(nn.Module):
     def __init__(self, layer: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         # the MLP's kind first: nothing is packed for a layer that is refused
-        dense_mlp = all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")) and not hasattr(
-            mlp, "experts")
+        dense_mlp = all(isinstance(getattr(mlp, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")
+                        ) and not hasattr(mlp, "experts")  # quantized projections (`dflash_core/quant/`): its own
         if dense_mlp:
             act = getattr(mlp, "act_fn", None)
             if not isinstance(act, nn.SiLU) and type(act).__name__ not in ("SiLU", "SiLUActivation"):
@@ -101,8 +101,9 @@ class DenseLayer(nn.Module):
 def dense_layer(layer: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> DenseLayer | None:
     """`layer` packed, or None when it is not a plain self-attention decoder layer (its modules then run it)."""
     attn = getattr(layer, "self_attn", None)
-    if attn is None or not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")):
-        return None
+    if attn is None or not all(isinstance(getattr(attn, n, None), nn.Linear) for n in ("q_proj", "k_proj", "v_proj",
+                                                                                       "o_proj")):
+        return None  # not the projections packed here (or quantized ones, `dflash_core/quant/`): its modules run it
     if attn.q_proj.weight.shape[0] != num_heads * head_dim:  # a gated query (Qwen3.5's full attention) or else
         return None
     try:

@@ -1,0 +1,86 @@
+"""Which quantized checkpoints and load-time quantizations dflash-serve serves, and the one-line refusals of the rest.
+
+A checkpoint says how it is quantized in its config's `quantization_config` (transformers' convention). Served:
+
+- `fp8`: FP8 e4m3 weights with block-wise (Qwen's official FP8 checkpoints: 128 x 128 blocks) or per-tensor
+  scales, as transformers' `FineGrainedFP8Config` writes them (`quant/fp8.py`).
+
+`--quantization fp8` quantizes a full-precision checkpoint's linear layers to that format while it loads (128 x 128
+blocks, as Qwen's). Everything else is refused at start-up with one line naming the format and what to use instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# --quantization values: what a full-precision checkpoint can be quantized to while it loads
+LOAD_TIME_METHODS = ("fp8",)
+# the block of --quantization fp8 (Qwen's FP8 checkpoints use 128 x 128)
+LOAD_TIME_BLOCK = (128, 128)
+
+_INSTEAD = "serve its bf16 checkpoint (with --quantization fp8 to keep the weights in 8 bits) or an FP8 checkpoint"
+# formats transformers knows that this server does not serve yet, and why
+_NOT_YET = {
+    "compressed-tensors": "compressed-tensors checkpoints (W4A16, W8A8, FP8) are not served yet",
+    "awq": "AWQ 4-bit checkpoints are not served yet",
+    "gptq": "GPTQ 4-bit checkpoints are not served yet",
+    "mxfp4": "MXFP4 checkpoints (gpt-oss) are not served yet",
+    "bitsandbytes": "bitsandbytes checkpoints are not served: their kernels are bitsandbytes' own CUDA code, not "
+    "a format other servers load",
+    "gguf": "GGUF is llama.cpp's format",
+}
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How the target's linear weights are held: `method` (today "fp8"), the scale `block` (None: one scale per
+    tensor), whether the checkpoint is already quantized, and the module names it leaves in full precision."""
+
+    method: str
+    block: tuple[int, int] | None
+    pre_quantized: bool
+    skip: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        block = f"{self.block[0]}x{self.block[1]} blocks" if self.block else "per-tensor scales"
+        source = "checkpoint" if self.pre_quantized else "quantized at load"
+        return f"{self.method} ({block}, {source})"
+
+
+def gguf_refusal(path: str | Path) -> str | None:
+    """The start-up line for a GGUF file or a folder of them (no transformers config beside), else None."""
+    p = Path(path).expanduser()
+    is_gguf = p.suffix == ".gguf" or (p.is_dir() and any(p.glob("*.gguf")) and not (p / "config.json").exists())
+    return f"{p}: {_NOT_YET['gguf']}; {_INSTEAD}" if is_gguf else None
+
+
+def method_of(qcfg: dict[str, Any]) -> str:
+    """The quantization method a `quantization_config` dict names (bitsandbytes' flags included)."""
+    if qcfg.get("load_in_4bit") or qcfg.get("load_in_8bit"):
+        return "bitsandbytes"
+    return str(qcfg.get("quant_method") or "unknown").lower()
+
+
+def quant_spec(qcfg: dict[str, Any] | None, load_time: str | None) -> QuantSpec | None:
+    """What to load for a checkpoint whose config has `qcfg` (None: full precision) under `--quantization
+    load_time` (None: none); raises ValueError with the one-line reason when it cannot be served."""
+    if load_time is not None and load_time not in LOAD_TIME_METHODS:
+        raise ValueError(f"--quantization {load_time!r} is not supported (choose {', '.join(LOAD_TIME_METHODS)})")
+    if qcfg is None:
+        return QuantSpec(load_time, LOAD_TIME_BLOCK, pre_quantized=False) if load_time else None
+    method = method_of(qcfg)
+    if method != "fp8":
+        reason = _NOT_YET.get(method, f"quantization method {method!r} is not supported")
+        raise ValueError(f"the target is quantized with {method}: {reason}; {_INSTEAD}")
+    if load_time is not None and load_time != method:
+        raise ValueError(f"the target is already quantized with {method}; drop --quantization {load_time}")
+    if str(qcfg.get("scale_fmt") or "float") != "float":
+        raise ValueError(f"the target's FP8 scales are {qcfg['scale_fmt']} (only float32 scales are served); "
+                         f"{_INSTEAD}")
+    if str(qcfg.get("fmt") or "e4m3").lower() != "e4m3":
+        raise ValueError(f"the target's FP8 weights are {qcfg['fmt']} (only e4m3 is served); {_INSTEAD}")
+    block = qcfg.get("weight_block_size")
+    skip = qcfg.get("modules_to_not_convert") or qcfg.get("ignored_layers") or ()
+    return QuantSpec("fp8", tuple(int(b) for b in block) if block else None, pre_quantized=True, skip=tuple(skip))

@@ -1,0 +1,150 @@
+"""Load a target with quantized linear layers through transformers' own loader.
+
+transformers builds the model (every family's module layout, key renames, buffers) and reads the checkpoint;
+a quantizer it calls while the model is still a skeleton replaces the linear layers with ours (`Fp8Linear`), so
+the checkpoint's FP8 tensors land in them as they are, one byte a weight. transformers' extension point is a
+quantizer registered under a method name (`register_quantizer`); ours is "dflash_fp8", and the checkpoint's
+config is handed over with that method name, so its own "fp8" quantizer (which on a CPU dequantizes the whole
+model to bf16, and on CUDA needs kernels from the hub) stays untouched for everything else in the process.
+
+`--quantization fp8` (a full-precision checkpoint, quantized while it loads): the same quantizer, not
+pre-quantized; transformers' own FP8 quantization op (`Fp8Quantize`) turns each weight into FP8 and its scales as
+it is read, so the full-precision model never sits in memory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.quantizers import HfQuantizer
+from transformers.quantizers.auto import (
+    AUTO_QUANTIZATION_CONFIG_MAPPING,
+    AUTO_QUANTIZER_MAPPING,
+    register_quantization_config,
+    register_quantizer,
+)
+from transformers.quantizers.base import get_keys_to_not_convert
+from transformers.quantizers.quantizers_utils import should_convert_module
+from transformers.utils.quantization_config import FineGrainedFP8Config
+
+from dflash_core.quant.formats import QuantSpec
+from dflash_core.quant.fp8 import FP8_DTYPE, Fp8Linear
+
+METHOD = "dflash_fp8"
+SCALE_SUFFIX = ".weight_scale_inv"
+
+
+class DFlashFp8Config(FineGrainedFP8Config):
+    """transformers' FP8 config under our method name (so that transformers hands loading to our quantizer)."""
+
+    def __init__(self, compute_dtype: str = "bfloat16", checkpoint_scales: tuple[str, ...] = (),
+                 **kwargs: Any) -> None:
+        kwargs["quant_method"] = METHOD
+        super().__init__(**kwargs)
+        self.compute_dtype = compute_dtype  # a torch dtype's name: the config stays JSON
+        self.checkpoint_scales = tuple(checkpoint_scales)  # modules the checkpoint holds FP8 scales for
+
+
+class DFlashFp8Quantizer(HfQuantizer):
+    """Replaces the skeleton's linear layers with `Fp8Linear`s before transformers reads the weights."""
+
+    requires_calibration = False
+    quantization_config: DFlashFp8Config
+
+    def validate_environment(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to check: the layers run on CPU and CUDA alike (`quant/fp8.py`)."""
+
+    def param_needs_quantization(self, model: nn.Module, param_name: str, **kwargs: Any) -> bool:
+        """A full-precision weight read into an FP8 layer is quantized on the way (`--quantization fp8`)."""
+        if self.pre_quantized:
+            return False
+        owner, _, name = param_name.rpartition(".")
+        return name == "weight" and isinstance(model.get_submodule(owner), Fp8Linear)
+
+    def get_quantize_ops(self) -> Any:
+        from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+        return Fp8Quantize(self)
+
+    def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> None:
+        qc = self.quantization_config
+        block = tuple(qc.weight_block_size) if qc.weight_block_size else None
+        # the output head stays in full precision whatever the skip list says: the draft multiplies by it
+        skip = list(qc.modules_to_not_convert or []) + get_keys_to_not_convert(model)
+        converted = set()
+        for name, module in list(model.named_modules()):
+            if not isinstance(module, nn.Linear) or not should_convert_module(name, skip):
+                continue
+            if self.pre_quantized and name not in qc.checkpoint_scales:
+                continue  # the checkpoint left it in full precision
+            if not self.pre_quantized and block and (module.out_features % block[0] or module.in_features % block[1]):
+                continue  # as transformers' quantization op: a weight that does not tile stays as it is
+            parent, _, child = name.rpartition(".")
+            layer = Fp8Linear(module.in_features, module.out_features, block, module.bias is not None,
+                              getattr(torch, qc.compute_dtype), module.weight.device)
+            if not self.pre_quantized:
+                # the placeholder in the checkpoint's precision: transformers (5.17) reads a tensor in its
+                # placeholder's dtype before the quantization op sees it, and FP8 there would round it twice
+                layer.weight.data = torch.empty_like(layer.weight, dtype=layer.compute_dtype)
+            setattr(model.get_submodule(parent), child, layer)
+            converted.add(name)
+        missing = sorted(set(qc.checkpoint_scales) - converted)
+        if missing:
+            raise ValueError(
+                f"the checkpoint quantizes {len(missing)} weight(s) this server keeps only in full precision (first: "
+                f"{missing[0]}; the output head, MoE experts and embeddings are not served in FP8); serve the bf16 "
+                "checkpoint with --quantization fp8")
+
+    def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
+        for module in model.modules():
+            if isinstance(module, Fp8Linear):
+                if module.weight.dtype != FP8_DTYPE:
+                    raise RuntimeError(f"transformers loaded {module.weight.dtype} weights into an FP8 layer")
+                module.requires_grad_(False)  # served, never trained (the loader hands back trainable parameters)
+        return model
+
+    def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
+        return False
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+
+def _register() -> None:
+    """Register our config and quantizer with transformers once per process."""
+    if METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        register_quantization_config(METHOD)(DFlashFp8Config)
+    if METHOD not in AUTO_QUANTIZER_MAPPING:
+        register_quantizer(METHOD)(DFlashFp8Quantizer)
+
+
+def checkpoint_keys(folder: Path) -> list[str]:
+    """The tensor names of a safetensors checkpoint (its index when sharded), without reading the tensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return list(json.loads(index.read_text())["weight_map"])
+    from safetensors import safe_open
+
+    keys: list[str] = []
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            keys.extend(f.keys())
+    return keys
+
+
+def load_quantized(auto: Any, folder: Path, config: Any, spec: QuantSpec, dtype: torch.dtype) -> nn.Module:
+    """`auto.from_pretrained(folder)` with the linear layers `spec` names held in FP8."""
+    _register()
+    scales = tuple(k[: -len(SCALE_SUFFIX)] for k in checkpoint_keys(folder) if k.endswith(SCALE_SUFFIX)) if (
+        spec.pre_quantized) else ()
+    qc = DFlashFp8Config(compute_dtype=str(dtype).removeprefix("torch."), checkpoint_scales=scales,
+                         weight_block_size=spec.block, modules_to_not_convert=list(spec.skip) or None)
+    if spec.pre_quantized:
+        config.quantization_config = qc.to_dict()
+        return auto.from_pretrained(str(folder), config=config, dtype=dtype)
+    return auto.from_pretrained(str(folder), config=config, dtype=dtype, quantization_config=qc)

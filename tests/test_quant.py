@@ -1,0 +1,374 @@
+"""Quantized targets (dflash_core/quant/): FP8 checkpoints load with their weights kept in FP8 and give greedy output
+identical to transformers' own forward of the same checkpoint, with and without the draft, on every batched runner
+(and hf); seeded sampling is equal with and without speculation; `--quantization fp8` quantizes a full-precision
+checkpoint while it loads, equal to the checkpoint transformers' own FP8 quantization op writes; formats not served
+are refused in one line.
+
+The FP8 checkpoints are written by transformers' own FP8 quantization op (`Fp8Quantize`, the one its
+`FineGrainedFP8Config` quantizes with), in Qwen's FP8 layout; transformers reads them back on a CPU by dequantizing
+every weight (its reference forward here).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from dflash_core.config import DraftConfig, EngineConfig
+from dflash_core.draft import DFlashDraft
+from dflash_core.loading import load_models, load_target
+from dflash_core.quant import quant_spec
+from dflash_core.quant.fp8 import FP8_DTYPE, Fp8Linear, dequantize_blocks
+from dflash_core.sampling import SamplingParams
+from tests.helpers import make_tiny_pair
+from tests.test_engine import hf_greedy, run_all, tokens
+
+PROMPTS = ([5], [9, 17, 33, 4, 6, 120, 7], list(range(4, 70)))
+NEW_TOKENS = 24
+CPU = torch.device("cpu")
+
+
+def _fp8_op(block: tuple[int, int]):
+    """transformers' own FP8 quantization op, configured as its FineGrainedFP8Config would."""
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    class Holder:
+        quantization_config = FineGrainedFP8Config(weight_block_size=block)
+
+    return Fp8Quantize(Holder())
+
+
+def write_fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int], also: tuple[str, ...] = ()) -> Path:
+    """`src` (a full-precision checkpoint) in Qwen's FP8 layout: every linear weight but the output head, quantized
+    by transformers' op (weights that do not tile by `block` stay as they are, as its op leaves them); `also`: more
+    weight names to quantize (the refusal tests)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    head = model.get_output_embeddings()
+    linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
+    op = _fp8_op(block)
+    tensors = {}
+    for key, value in load_file(str(src / "model.safetensors")).items():
+        tensors.update(op._quantize_one(key, value) if key in linears or key in also else {key: value})
+    shutil.copytree(src, dst)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(block)}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def transformers_reference(folder: Path) -> dict[tuple[int, ...], list[int]]:
+    """transformers' own greedy continuation of each prompt, from the checkpoint as transformers loads it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    assert not any(p.dtype == FP8_DTYPE for p in model.parameters())  # on a CPU it dequantizes every weight
+    return {tuple(p): hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS}
+
+
+def greedy(engine) -> dict[tuple[int, ...], list[int]]:
+    engine.eos_token_ids = []
+    ids = {engine.add_request(p, SamplingParams(max_tokens=NEW_TOKENS)): tuple(p) for p in PROMPTS}
+    outs = run_all(engine)
+    return {ids[rid]: tokens(steps) for rid, steps in outs.items()}
+
+
+@functools.cache
+def fp8_family(arch: str, root: Path) -> tuple[Path, Path, dict]:
+    """(FP8 target, draft, transformers' greedy references): the tiny pair of `arch`, its target in FP8 with
+    16 x 16 blocks (the tiny layers are 16 to 128 wide; Qwen's checkpoints use 128 x 128)."""
+    tmp = root / arch
+    target, draft = make_tiny_pair(tmp, arch=arch)
+    fp8 = write_fp8_checkpoint(target, tmp / "target-fp8", (16, 16))
+    refs = transformers_reference(fp8)
+    assert refs != transformers_reference(target)  # FP8 changes the tiny target's choices: the test can tell
+    return fp8, draft, refs
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("fp8")
+
+
+@pytest.fixture(scope="module")
+def fp8_pair(root) -> tuple[Path, Path, dict]:
+    return fp8_family("qwen3", root)
+
+
+def test_dequantization_is_transformers_own_bit_for_bit():
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    weight = torch.randn(96, 160) * torch.logspace(-3, 1, 160)
+    out = _fp8_op((32, 32))._quantize_one("w.weight", weight)
+    q, scale = out["w.weight"], out["w.weight_scale_inv"]
+    assert q.dtype == FP8_DTYPE and scale.shape == (3, 5)
+    for dtype in (torch.float32, torch.bfloat16):
+        theirs = Fp8Dequantize(None)._dequantize_one(q, scale, dtype)
+        assert torch.equal(dequantize_blocks(q, scale, (32, 32), dtype), theirs)
+    assert (dequantize_blocks(q, scale, (32, 32), torch.float32) - weight).abs().max() < 0.07 * weight.abs().max()
+
+
+def test_partial_blocks_and_per_tensor_scales():
+    """A weight whose sides do not divide by the block: the last row and column blocks are partial (scales
+    ceil(out / b0) x ceil(in / b1)); a per-tensor scale is one scalar."""
+    q = torch.randn(40, 72).to(FP8_DTYPE)
+    scale = torch.rand(3, 3) + 0.5
+    full = scale.repeat_interleave(16, 0)[:40].repeat_interleave(32, 1)[:, :72]
+    assert torch.equal(dequantize_blocks(q, scale, (16, 32), torch.float32), q.float() * full)
+    assert torch.equal(dequantize_blocks(q, torch.tensor(0.25), None, torch.float32), q.float() * 0.25)
+    layer = Fp8Linear(72, 40, (16, 32), bias=True, dtype=torch.float32)
+    layer.weight.data, layer.weight_scale_inv.data, layer.bias.data = q, scale, torch.randn(40)
+    x = torch.randn(3, 72)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, q.float() * full, layer.bias))
+
+
+def test_fp8_checkpoint_keeps_its_weights_in_fp8(fp8_pair):
+    fp8, _, _ = fp8_pair
+    model = load_target(fp8, CPU, torch.float32)
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert len(layers) == 4 * 7  # q, k, v, o, gate, up, down of each of the 4 layers
+    assert all(m.weight.dtype == FP8_DTYPE and m.weight_scale_inv.dtype == torch.float32 for m in layers)
+    assert isinstance(model.lm_head, nn.Linear) and model.lm_head.weight.dtype == torch.float32
+    linear_bytes = sum(m.weight.numel() for m in layers)
+    assert sum(m.weight.numel() * m.weight.element_size() for m in layers) == linear_bytes  # one byte a weight
+    # the start-up memory plan counts the weights at their real size
+    models = load_models(EngineConfig(str(fp8), speculative=False, device="cpu"))
+    real = sum(p.numel() * p.element_size() for p in models.engine.target.model.parameters())
+    assert models.memory.weights == real
+    full = sum(p.numel() * 4 for p in load_target(fp8.parent / "target-qwen3", CPU, torch.float32).parameters())
+    assert real < 0.6 * full
+
+
+@pytest.mark.parametrize("speculative", [True, False], ids=["dflash", "plain"])
+@pytest.mark.parametrize("arch,backend", [("qwen3", "native"), ("qwen3", "generic"), ("qwen3", "hf"),
+                                          ("qwen3_5", "native"), ("gemma4", "generic"), ("qwen3_moe", "native")])
+def test_fp8_greedy_equals_transformers_forward(root, arch, backend, speculative):
+    """Every batched runner (native: dense and hybrid layers, generic) and hf; Qwen3-MoE's experts stay in full
+    precision (its attention is FP8)."""
+    fp8, draft, refs = fp8_family(arch, root)
+    models = load_models(EngineConfig(str(fp8), str(draft), backend=backend, speculative=speculative,
+                                      speculation="fixed", device="cpu"))
+    assert models.backend == backend
+    assert models.quantization == "fp8" and any(isinstance(m, Fp8Linear) for m in models.engine.target.model.modules())
+    assert greedy(models.engine) == refs
+
+
+def test_fp8_seeded_sampling_equal_with_and_without_speculation(fp8_pair):
+    fp8, draft, _ = fp8_pair
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=7, stop_token_ids=[])
+    outs = []
+    for speculative in (True, False):
+        engine = load_models(EngineConfig(str(fp8), str(draft), speculative=speculative, device="cpu")).engine
+        engine.eos_token_ids = []
+        rid = engine.add_request([9, 17, 33, 4], params)
+        outs.append(tokens(run_all(engine)[rid]))
+    assert outs[0] == outs[1]
+
+
+@pytest.fixture(scope="module")
+def wide_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """A full-precision qwen3 target whose layers tile by 128 x 128 (the blocks of --quantization fp8), and a
+    random draft for it."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    tmp = tmp_path_factory.mktemp("wide")
+    target, _ = make_tiny_pair(tmp)
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    torch.manual_seed(5)
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=4, head_dim=32, max_position_embeddings=1024,
+                      initializer_range=0.2, tie_word_embeddings=False, eos_token_id=2, pad_token_id=0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(str(target))
+    draft = tmp / "draft-wide"
+    DFlashDraft(DraftConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=32, vocab_size=vocab, num_target_layers=3, block_size=8,
+                            mask_token_id=3, max_position_embeddings=1024)).save(draft)
+    return target, draft
+
+
+@pytest.mark.parametrize("speculative", [True, False], ids=["dflash", "plain"])
+def test_quantization_fp8_at_load_equals_the_fp8_checkpoint(wide_pair, tmp_path, speculative):
+    """--quantization fp8: the weights quantized while loading are the ones transformers' op writes into an FP8
+    checkpoint (128 x 128 blocks), and greedy output equals transformers' forward of that checkpoint."""
+    target, draft = wide_pair
+    refs = transformers_reference(write_fp8_checkpoint(target, tmp_path / "fp8", (128, 128)))
+    models = load_models(EngineConfig(str(target), str(draft), quantization="fp8", speculative=speculative,
+                                      speculation="fixed", device="cpu"))
+    layers = [m for m in models.engine.target.model.modules() if isinstance(m, Fp8Linear)]
+    assert len(layers) == 3 * 7 and all(m.block == (128, 128) for m in layers)
+    assert greedy(models.engine) == refs
+
+
+def _with_config(src: Path, dst: Path, **changes) -> Path:
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(changes)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("qcfg", "words"),
+    [
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, ("bitsandbytes", "--quantization fp8")),
+        ({"load_in_8bit": True}, ("bitsandbytes",)),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128}, ("awq", "not served yet")),
+        ({"quant_method": "gptq", "bits": 4}, ("gptq", "not served yet")),
+        ({"quant_method": "compressed-tensors"}, ("compressed-tensors",)),
+        ({"quant_method": "mxfp4"}, ("mxfp4", "gpt-oss")),
+        ({"quant_method": "exotic"}, ("'exotic' is not supported",)),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}, ("ue8m0",)),
+    ],
+    ids=["bnb4", "bnb8", "awq", "gptq", "compressed-tensors", "mxfp4", "exotic", "fp8-ue8m0"],
+)
+def test_formats_not_served_are_refused_in_one_line(fp8_pair, tmp_path, qcfg, words):
+    folder = _with_config(fp8_pair[0], tmp_path / "t", quantization_config=qcfg)
+    with pytest.raises(ValueError) as err:
+        load_target(folder, CPU, torch.float32)
+    message = str(err.value)
+    assert "\n" not in message and len(message) < 300 and all(w in message for w in words), message
+
+
+def test_other_refusals_are_one_line(fp8_pair, tmp_path):
+    fp8, _, _ = fp8_pair
+    gguf = tmp_path / "model-f16.gguf"
+    gguf.write_bytes(b"GGUF")
+    for path in (gguf, tmp_path):  # a GGUF file, a folder of them
+        with pytest.raises(ValueError, match="GGUF is llama.cpp's format; serve its bf16 checkpoint"):
+            load_target(path, CPU, torch.float32)
+    with pytest.raises(ValueError, match="quantization must be one of fp8, got 'int4'"):
+        EngineConfig(quantization="int4")
+    with pytest.raises(ValueError, match="--quantization 'int4' is not supported"):
+        quant_spec(None, "int4")
+    assert quant_spec({"quant_method": "fp8", "weight_block_size": [128, 128]}, "fp8").pre_quantized
+    # an FP8 output head: the draft multiplies by the target's head, which stays in full precision
+    src = fp8_pair[0].parent / "target-qwen3"
+    head = write_fp8_checkpoint(src, tmp_path / "head", (16, 16), also=("lm_head.weight",))
+    with pytest.raises(ValueError) as err:
+        load_target(head, CPU, torch.float32)
+    assert "\n" not in str(err.value) and "lm_head" in str(err.value) and "--quantization fp8" in str(err.value)
+
+
+def test_fp8_moe_experts_are_refused_in_one_line(root, tmp_path):
+    """A checkpoint with FP8 experts (Qwen3-MoE's FP8 checkpoints): refused, naming an expert weight; the server
+    keeps MoE experts in full precision (--quantization fp8 quantizes the rest)."""
+    src = fp8_family("qwen3_moe", root)[0].parent / "target-qwen3_moe"
+    experts = write_fp8_checkpoint(src, tmp_path / "experts", (16, 16),
+                                   also=("model.layers.0.mlp.experts.0.gate_proj.weight",))
+    with pytest.raises(ValueError) as err:
+        load_target(experts, CPU, torch.float32)
+    assert "\n" not in str(err.value) and "model.layers.0.mlp.experts.0.gate_proj" in str(err.value), err.value
+
+
+def test_server_refuses_a_gguf_target_before_loading(tmp_path):
+    from server.__main__ import preflight
+    from server.settings import Settings
+
+    gguf = tmp_path / "model-q4_k_m.gguf"
+    gguf.write_bytes(b"GGUF")
+    problem = preflight(Settings(target=str(gguf), device="cpu"))
+    assert problem == (f"--target {gguf}: GGUF is llama.cpp's format; serve its bf16 checkpoint (with --quantization "
+                       "fp8 to keep the weights in 8 bits) or an FP8 checkpoint")
+
+
+def test_memory_estimate_counts_fp8_weights_at_their_size(fp8_pair):
+    """`dflash-bench memory` of a local FP8 checkpoint: the weights the start-up plan counts from the loaded
+    model (FP8 weights, float32 block scales, the rest in the compute dtype)."""
+    from dflash_core.bench import memory as bench_memory
+
+    fp8, draft, _ = fp8_pair
+    est = bench_memory.memory_estimate(str(fp8), str(draft), dtype="float32", max_model_len=64,
+                                       max_running_requests=2)
+    models = load_models(EngineConfig(str(fp8), str(draft), device="cpu", max_model_len=64, max_running_requests=2))
+    assert est["quantization"] == "fp8" and est["weights_bytes"] == models.memory.weights
+    full = bench_memory.memory_estimate(str(fp8.parent / "target-qwen3"), str(draft), dtype="float32",
+                                        max_model_len=64, max_running_requests=2)
+    assert full["quantization"] is None and full["weights_bytes"] > est["weights_bytes"]
+    # --quantization fp8 on the full-precision folder: its 16-wide layers do not tile by 128, nothing is quantized
+    at_load = bench_memory.memory_estimate(str(fp8.parent / "target-qwen3"), str(draft), dtype="float32",
+                                           max_model_len=64, max_running_requests=2, quantization="fp8")
+    assert at_load["weights_bytes"] == full["weights_bytes"]
+
+
+def test_fp8_presets_fit_the_cards_bf16_does_not():
+    """The 24 GB preset (Qwen3-8B FP8 with its draft) holds 8,192-token requests on a 24 GB card, and the 48 GB one
+    (Qwen3.5-27B FP8) on a 48 GB card; their bf16 presets hold none there."""
+    from dflash_core.bench import memory as bench_memory
+
+    configs = Path(__file__).resolve().parent.parent / "configs"
+    for preset, bf16, card in (("qwen3-8b-fp8-24gb.yaml", "qwen3-8b.yaml", "24 GB"),
+                               ("qwen3.5-27b-fp8-48gb.yaml", "qwen3.5-27b.yaml", "48 GB")):
+        fp8, full = (bench_memory.memory_from_preset(configs / name) for name in (preset, bf16))
+        assert fp8["quantization"] == "fp8" and fp8["target_params"] == full["target_params"]
+        # linear weights at one byte (plus a float32 scale per 128 x 128 block), the rest in bf16
+        assert 0.55 * full["weights_bytes"] < fp8["weights_bytes"] < 0.65 * full["weights_bytes"]
+        assert fp8["cards"][card]["fits"] and fp8["cards"][card]["requests_full"] >= 4
+        assert not full["cards"][card]["fits"]
+
+
+def emulated_block_scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_dtype=torch.bfloat16, **_):
+    """cuBLAS's block-scaled FP8 GEMM as torch documents it, in float32 on a CPU (which has no such kernel), with
+    the layout cuBLAS demands checked: the stand-in for the GPU in the kernel's plumbing tests."""
+    assert recipe_a == torch.nn.functional.ScalingType.BlockWise1x128
+    assert recipe_b == torch.nn.functional.ScalingType.BlockWise128x128
+    (m, k), n = a.shape, b.shape[1]
+    assert a.dtype == b.dtype == FP8_DTYPE and m % 4 == 0 and b.stride(0) == 1  # b: a column-major view
+    assert scale_a.shape == (m, k // 128) and scale_a.stride(0) == 1  # outer-dimension-major
+    assert scale_b.shape[0] % 4 == 0 and scale_b.shape[1] == n // 128  # K blocks padded to a multiple of 4
+    a_full = a.float() * scale_a.repeat_interleave(128, 1)
+    b_full = b.float() * scale_b[: k // 128].repeat_interleave(128, 0).repeat_interleave(128, 1)
+    return (a_full @ b_full).to(output_dtype)
+
+
+def test_block_fp8_kernel_plumbing(wide_pair, monkeypatch):
+    """On a CPU the kernel is never chosen; with cuBLAS's GEMM emulated and the device check passed, the FP8 layers
+    multiply through `dflash::fp8_block_linear` (activations in FP8, 1 x 128 groups), close to the dequantized
+    product, inside the engine (DFlash output equal to plain decoding's with the same kernel) and in a compiled graph
+    as one opaque call."""
+    from dflash_core.quant import fp8_kernels
+
+    target, draft = wide_pair
+    model = load_target(target, CPU, torch.float32, "fp8")
+    choice = fp8_kernels.choose_kernel(model, CPU)
+    assert not choice.used and choice.reason == "cpu: the kernel is CUDA's"
+    assert all(m.kernel_scales is None for m in model.modules() if isinstance(m, Fp8Linear))
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_mm", emulated_block_scaled_mm)
+    monkeypatch.setattr(fp8_kernels, "unavailable", lambda device: None)
+    layer = model.model.layers[0].mlp.down_proj  # [128, 256]: two K blocks, padded to four
+    x = torch.randn(3, 5, 256)
+    exact = torch.nn.functional.linear(x, layer.dequantized())
+    choice = fp8_kernels.choose_kernel(model, CPU)
+    assert choice.used and choice.layers == 3 * 7 and choice.error < fp8_kernels.TOLERANCE
+    out = layer(x)
+    assert out.shape == exact.shape and 0 < (out - exact).norm() / exact.norm() < fp8_kernels.TOLERANCE
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x), out)
+
+    outs = []
+    for speculative in (True, False):
+        models = load_models(EngineConfig(str(target), str(draft), quantization="fp8", speculative=speculative,
+                                          speculation="fixed", device="cpu"))
+        assert all(m.kernel_scales is not None for m in models.engine.target.model.modules()
+                   if isinstance(m, Fp8Linear))
+        outs.append(greedy(models.engine))
+    assert outs[0] == outs[1]
+
+    # a kernel that errs or disagrees is not used
+    for broken in (lambda *a, **k: (_ for _ in ()).throw(RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")),
+                   lambda *a, **k: 2 * emulated_block_scaled_mm(*a, **k)):
+        monkeypatch.setattr(torch.nn.functional, "scaled_mm", broken)
+        fresh = load_target(target, CPU, torch.float32, "fp8")
+        assert all(m.kernel_scales is None for m in fresh.modules() if isinstance(m, Fp8Linear))
+    assert "disagreed" in fp8_kernels.choose_kernel(fresh, CPU).reason
