@@ -40,7 +40,7 @@ from dflash_core.memory import (
     verify_logits_bytes,
 )
 from dflash_core.quant import gguf_refusal, quant_spec
-from dflash_core.quant.fp8 import Fp8Linear
+from dflash_core.quant.loader import weights_format
 from dflash_core.runners.base import TargetRunner
 from dflash_core.runners.drafter import DFlashDrafter
 from dflash_core.runners.dsa import DSALayout
@@ -84,7 +84,7 @@ class LoadedModels:
     block_size: int
     backend: str = "hf"
     memory: MemoryBudget | None = None  # the start-up memory plan (logged)
-    quantization: str | None = None  # the target's quantized linear weights ("fp8"), None in full precision
+    quantization: str | None = None  # the target's quantized linear weights (`quant.loader.weights_format`)
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -259,7 +259,7 @@ def load_models(config: EngineConfig, warm_up: bool = True) -> LoadedModels:
         block_size=engine.block_size,
         backend=target_model.backend,
         memory=budget,
-        quantization="fp8" if any(isinstance(m, Fp8Linear) for m in model.modules()) else None,
+        quantization=weights_format(model),
     )
 
 

@@ -225,12 +225,24 @@ def _with_config(src: Path, dst: Path, **changes) -> Path:
         ({"load_in_8bit": True}, ("bitsandbytes",)),
         ({"quant_method": "awq", "bits": 4, "group_size": 128}, ("awq", "not served yet")),
         ({"quant_method": "gptq", "bits": 4}, ("gptq", "not served yet")),
-        ({"quant_method": "compressed-tensors"}, ("compressed-tensors",)),
+        ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {"weights": {
+            "type": "float", "num_bits": 8, "strategy": "channel"}}}},
+         ("compressed-tensors format 'float-quantized'",)),
+        ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {
+            "type": "int", "num_bits": 4, "strategy": "group", "group_size": 16, "symmetric": False}}}},
+         ("asymmetric weights",)),
+        ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+            "weights": {"type": "int", "num_bits": 8, "strategy": "channel"},
+            "input_activations": {"type": "int", "num_bits": 8, "dynamic": True}}}}, ("activation quantization",)),
+        ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {
+            "type": "int", "num_bits": 4, "strategy": "group", "group_size": 16, "actorder": "group"}}}},
+         ("act-order groups",)),
         ({"quant_method": "mxfp4"}, ("mxfp4", "gpt-oss")),
         ({"quant_method": "exotic"}, ("'exotic' is not supported",)),
         ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}, ("ue8m0",)),
     ],
-    ids=["bnb4", "bnb8", "awq", "gptq", "compressed-tensors", "mxfp4", "exotic", "fp8-ue8m0"],
+    ids=["bnb4", "bnb8", "awq", "gptq", "ct-fp8", "ct-asymmetric", "ct-w8a8", "ct-actorder", "mxfp4", "exotic",
+         "fp8-ue8m0"],
 )
 def test_formats_not_served_are_refused_in_one_line(fp8_pair, tmp_path, qcfg, words):
     folder = _with_config(fp8_pair[0], tmp_path / "t", quantization_config=qcfg)
@@ -252,6 +264,8 @@ def test_other_refusals_are_one_line(fp8_pair, tmp_path):
     with pytest.raises(ValueError, match="--quantization 'int4' is not supported"):
         quant_spec(None, "int4")
     assert quant_spec({"quant_method": "fp8", "weight_block_size": [128, 128]}, "fp8").pre_quantized
+    with pytest.raises(ValueError, match="already quantized with compressed-tensors; drop --quantization fp8"):
+        quant_spec({"quant_method": "compressed-tensors"}, "fp8")
     # an FP8 output head: the draft multiplies by the target's head, which stays in full precision
     src = fp8_pair[0].parent / "target-qwen3"
     head = write_fp8_checkpoint(src, tmp_path / "head", (16, 16), also=("lm_head.weight",))
@@ -299,6 +313,18 @@ def test_memory_estimate_counts_fp8_weights_at_their_size(fp8_pair):
     at_load = bench_memory.memory_estimate(str(fp8.parent / "target-qwen3"), str(draft), dtype="float32",
                                            max_model_len=64, max_running_requests=2, quantization="fp8")
     assert at_load["weights_bytes"] == full["weights_bytes"]
+
+
+def test_memory_estimate_counts_packed_int_weights_at_their_size(root):
+    from dflash_core.bench import memory as bench_memory
+
+    packed, draft, _ = int_family("qwen3", 4, 16, root)
+    est = bench_memory.memory_estimate(str(packed), str(draft), dtype="float32", max_model_len=64,
+                                       max_running_requests=2)
+    models = load_models(EngineConfig(str(packed), str(draft), device="cpu", max_model_len=64, max_running_requests=2))
+    assert est["quantization"] == "compressed-tensors" and est["quantization_bits"] == 4
+    assert est["weights_bytes"] == models.memory.weights
+    assert "target linear weights int4 (compressed-tensors)" in bench_memory.format_memory([{**est, "preset": "x"}])
 
 
 def test_fp8_presets_fit_the_cards_bf16_does_not():
@@ -372,3 +398,83 @@ def test_block_fp8_kernel_plumbing(wide_pair, monkeypatch):
         fresh = load_target(target, CPU, torch.float32, "fp8")
         assert all(m.kernel_scales is None for m in fresh.modules() if isinstance(m, Fp8Linear))
     assert "disagreed" in fp8_kernels.choose_kernel(fresh, CPU).reason
+
+
+
+def write_compressed_checkpoint(src: Path, dst: Path, bits: int, group_size: int | None) -> Path:
+    """`src` in compressed-tensors' pack-quantized format, by compressed-tensors itself: its scheme applied to every
+    linear layer but the head, min-max scales from its own `calculate_qparams`, packed by its compressor."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="group" if group_size else "channel",
+                            group_size=group_size)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    for module in model.modules():
+        if getattr(module, "quantization_scheme", None) is not None:
+            w = module.weight.detach()
+            groups = w.view(w.shape[0], -1, group_size or w.shape[1])
+            scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+            module.weight_scale.data = scale.to(module.weight_scale.dtype).view_as(module.weight_scale)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+    compressor.compress_model(model)
+    model.save_pretrained(str(dst))
+    compressor.update_config(str(dst))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (src / name).exists():
+            shutil.copy(src / name, dst / name)
+    return dst
+
+
+@functools.cache
+def int_family(arch: str, bits: int, group_size: int | None, root: Path) -> tuple[Path, Path, dict]:
+    """(compressed-tensors target, draft, transformers' greedy references) for the tiny pair of `arch`."""
+    tmp = root / f"{arch}-int{bits}-{group_size}"
+    target, draft = make_tiny_pair(tmp, arch=arch)
+    packed = write_compressed_checkpoint(target, tmp / "target-packed", bits, group_size)
+    refs = transformers_reference(packed)
+    assert refs != transformers_reference(target)  # the quantization changes the tiny target's choices
+    return packed, draft, refs
+
+
+def test_packed_int_unpacking_is_compressed_tensors_own():
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+    from dflash_core.quant.packed_int import dequantize_groups, unpack_int32
+
+    for bits, cols in ((4, 72), (4, 64), (8, 40)):
+        values = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (6, cols), dtype=torch.int8)
+        packed = pack_to_int32(values, bits)
+        assert torch.equal(unpack_int32(packed, bits, cols), values)
+        assert torch.equal(unpack_from_int32(packed, bits, torch.Size((6, cols))), values)
+    scale = torch.rand(6, 4)
+    values = torch.randint(-8, 8, (6, 64), dtype=torch.int8)
+    assert torch.equal(dequantize_groups(values, scale, torch.float32),
+                       values.float() * scale.repeat_interleave(16, 1))
+
+
+@pytest.mark.parametrize("speculative", [True, False], ids=["dflash", "plain"])
+@pytest.mark.parametrize("arch,backend,bits,group_size", [
+    ("qwen3", "native", 4, 16), ("qwen3", "generic", 4, 16), ("qwen3", "hf", 4, 16), ("qwen3", "native", 8, None),
+    ("qwen3_5", "native", 4, 16)], ids=["w4-native", "w4-generic", "w4-hf", "w8-channel-native", "w4-hybrid"])
+def test_compressed_tensors_greedy_equals_transformers_forward(root, arch, backend, bits, group_size, speculative):
+    """W4A16 (groups of 16) and W8A16 (per channel) checkpoints written by compressed-tensors: weights kept packed
+    (int32 words, half a byte a weight in int4), greedy output equal to transformers' forward of the checkpoint."""
+    from dflash_core.quant.packed_int import PackedIntLinear
+
+    packed, draft, refs = int_family(arch, bits, group_size, root)
+    models = load_models(EngineConfig(str(packed), str(draft), backend=backend, speculative=speculative,
+                                      speculation="fixed", device="cpu"))
+    layers = [m for m in models.engine.target.model.modules() if isinstance(m, PackedIntLinear)]
+    assert layers and all(m.bits == bits and m.weight_packed.dtype == torch.int32 for m in layers)
+    assert models.quantization == f"compressed-tensors int{bits}"
+    assert greedy(models.engine) == refs

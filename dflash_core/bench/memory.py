@@ -184,7 +184,7 @@ def _quantization_of(qcfg: dict[str, Any] | None) -> dict[str, Any]:
     except ValueError as exc:
         raise BenchError(str(exc)) from None
     assert spec is not None
-    return {"quantization": spec.method, "quantization_block": spec.block}
+    return {"quantization": spec.method, "quantization_block": spec.block, "quantization_bits": spec.bits}
 
 
 def _attention_params(m: dict[str, Any]) -> int:
@@ -258,17 +258,25 @@ def _quantizable(m: dict[str, Any], index: int, kind: str) -> list[tuple[int, in
 
 
 def target_weight_bytes(m: dict[str, Any], nbytes: int, quantization: str | None) -> int:
-    """The target's weights in bytes: every parameter in the compute dtype, or with `quantization` "fp8" the
-    linear weights that tile by its block (`quantization_block`, 128 x 128 by default, as transformers' op and Qwen's
-    checkpoints quantize) at one byte each plus a float32 scale per block."""
+    """The target's weights in bytes: every parameter in the compute dtype; with `quantization` "fp8" the linear
+    weights that tile by its block (`quantization_block`, 128 x 128 by default, as transformers' op and Qwen's
+    checkpoints quantize) at one byte each plus a float32 scale per block; with "compressed-tensors" every linear
+    weight packed at `quantization_bits` bits in int32 words plus a scale per group of inputs (or per row) in the
+    compute dtype and its two-element shape."""
     total = target_params(m) * nbytes
     if quantization is None:
         return total
-    b0, b1 = m.get("quantization_block") or LOAD_TIME_BLOCK
+    block = m.get("quantization_block") or (None if quantization == "compressed-tensors" else LOAD_TIME_BLOCK)
+    bits = int(m.get("quantization_bits") or 8)
     for i, kind in enumerate(layer_types(m)):
         for out, inp in _quantizable(m, i, kind):
-            if out % b0 == 0 and inp % b1 == 0:
-                total -= out * inp * (nbytes - 1) - (out // b0) * (inp // b1) * 4
+            if quantization == "fp8" and not (out % block[0] == 0 and inp % block[1] == 0):
+                continue  # left in the compute dtype
+            if quantization == "fp8":
+                size = out * inp + (out // block[0]) * (inp // block[1]) * 4
+            else:
+                size = out * -(-inp * bits // 32) * 4 + out * (inp // block[1] if block else 1) * nbytes + 16
+            total += size - out * inp * nbytes
     return total
 
 
@@ -382,6 +390,7 @@ def memory_estimate(
         "record_bytes_per_request": record_bytes(t, nbytes, block),
     }
     out["quantization"] = quantization
+    out["quantization_bits"] = int(t.get("quantization_bits") or 8) if quantization else None
     out["weights_bytes"] = weights = target_weight_bytes(t, nbytes, quantization) + out["draft_params"] * nbytes
     # what backend auto picks: native for its families (without sliding windows), else generic
     native = t.get("model_type", "qwen3") in (*NATIVE_MODEL_TYPES, *HYBRID_MODEL_TYPES)
@@ -445,6 +454,12 @@ def _cell(card: dict[str, Any], length: int, cap: int, backend: str) -> str:
     return text
 
 
+def _weights_note(row: dict[str, Any]) -> str:
+    if row.get("quantization") == "compressed-tensors":
+        return f", target linear weights int{row['quantization_bits']} (compressed-tensors)"
+    return ", target linear weights in FP8" if row.get("quantization") == "fp8" else ""
+
+
 def format_memory(rows: list[dict[str, Any]]) -> str:
     """A Markdown table: weights, KV per token, and per card the pool in tokens and in requests that run at once
     (GB = 1e9 bytes; KB = 1e3)."""
@@ -466,7 +481,7 @@ def format_memory(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| `{Path(r['preset']).name}` | {r['target']} ({r['target_params'] / 1e9:.2f} B params) + "
             f"{r['draft'] or 'no draft'} ({r['draft_params'] / 1e9:.2f} B), {r['dtype']}"
-            f"{', target linear weights in FP8' if r.get('quantization') == 'fp8' else ''} | "
+            f"{_weights_note(r)} | "
             f"{r['weights_bytes'] / GB:.1f} | {kv} | {cells} |"
         )
     return "\n".join(lines)

@@ -4,6 +4,9 @@ A checkpoint says how it is quantized in its config's `quantization_config` (tra
 
 - `fp8`: FP8 e4m3 weights with block-wise (Qwen's official FP8 checkpoints: 128 x 128 blocks) or per-tensor
   scales, as transformers' `FineGrainedFP8Config` writes them (`quant/fp8.py`).
+- `compressed-tensors` in its `pack-quantized` format, weight-only (W4A16, W8A16: GPTQ- and AWQ-style schemes as
+  llm-compressor writes them): symmetric 4- or 8-bit integers with a scale per group of inputs or per channel
+  (`quant/packed_int.py`).
 
 `--quantization fp8` quantizes a full-precision checkpoint's linear layers to that format while it loads (128 x 128
 blocks, as Qwen's). Everything else is refused at start-up with one line naming the format and what to use instead.
@@ -23,9 +26,9 @@ LOAD_TIME_BLOCK = (128, 128)
 _INSTEAD = "serve its bf16 checkpoint (with --quantization fp8 to keep the weights in 8 bits) or an FP8 checkpoint"
 # formats transformers knows that this server does not serve yet, and why
 _NOT_YET = {
-    "compressed-tensors": "compressed-tensors checkpoints (W4A16, W8A8, FP8) are not served yet",
-    "awq": "AWQ 4-bit checkpoints are not served yet",
-    "gptq": "GPTQ 4-bit checkpoints are not served yet",
+    "awq": "AWQ 4-bit checkpoints are not served yet in AWQ's own format (a compressed-tensors W4A16 conversion is)",
+    "gptq": "GPTQ 4-bit checkpoints are not served yet in GPTQ's own format (a compressed-tensors W4A16 conversion "
+    "is)",
     "mxfp4": "MXFP4 checkpoints (gpt-oss) are not served yet",
     "bitsandbytes": "bitsandbytes checkpoints are not served: their kernels are bitsandbytes' own CUDA code, not "
     "a format other servers load",
@@ -39,13 +42,17 @@ class QuantSpec:
     tensor), whether the checkpoint is already quantized, and the module names it leaves in full precision."""
 
     method: str
-    block: tuple[int, int] | None
+    block: tuple[int, int] | None  # compressed-tensors: (1, group size), None per channel
     pre_quantized: bool
     skip: tuple[str, ...] = ()
+    bits: int = 8
 
     def describe(self) -> str:
-        block = f"{self.block[0]}x{self.block[1]} blocks" if self.block else "per-tensor scales"
         source = "checkpoint" if self.pre_quantized else "quantized at load"
+        if self.method == "compressed-tensors":
+            group = f"groups of {self.block[1]}" if self.block else "per-channel scales"
+            return f"compressed-tensors int{self.bits} ({group}, {source})"
+        block = f"{self.block[0]}x{self.block[1]} blocks" if self.block else "per-tensor scales"
         return f"{self.method} ({block}, {source})"
 
 
@@ -71,6 +78,10 @@ def quant_spec(qcfg: dict[str, Any] | None, load_time: str | None) -> QuantSpec 
     if qcfg is None:
         return QuantSpec(load_time, LOAD_TIME_BLOCK, pre_quantized=False) if load_time else None
     method = method_of(qcfg)
+    if load_time is not None and method == "compressed-tensors":
+        raise ValueError(f"the target is already quantized with {method}; drop --quantization {load_time}")
+    if method == "compressed-tensors":
+        return _compressed_tensors_spec(qcfg)
     if method != "fp8":
         reason = _NOT_YET.get(method, f"quantization method {method!r} is not supported")
         raise ValueError(f"the target is quantized with {method}: {reason}; {_INSTEAD}")
@@ -84,3 +95,37 @@ def quant_spec(qcfg: dict[str, Any] | None, load_time: str | None) -> QuantSpec 
     block = qcfg.get("weight_block_size")
     skip = qcfg.get("modules_to_not_convert") or qcfg.get("ignored_layers") or ()
     return QuantSpec("fp8", tuple(int(b) for b in block) if block else None, pre_quantized=True, skip=tuple(skip))
+
+
+def _compressed_tensors_spec(qcfg: dict[str, Any]) -> QuantSpec:
+    """A compressed-tensors config served as packed integer weights, or ValueError naming what is not served."""
+
+    def refuse(what: str) -> ValueError:
+        return ValueError(f"the target is quantized with compressed-tensors {what}, which is not served yet (served: "
+                          f"pack-quantized symmetric int4 / int8 weights without activation quantization); {_INSTEAD}")
+
+    for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+        if qcfg.get(key):
+            raise refuse(f"with a {key}")
+    schemes = set()
+    for group in (qcfg.get("config_groups") or {}).values():
+        fmt, weights = group.get("format") or qcfg.get("format"), group.get("weights") or {}
+        if fmt != "pack-quantized":
+            raise refuse(f"format {fmt!r}")
+        if group.get("input_activations") or group.get("output_activations"):
+            raise refuse("activation quantization (W8A8)")
+        if weights.get("type") != "int" or weights.get("num_bits") not in (4, 8):
+            raise refuse(f"{weights.get('type')} {weights.get('num_bits')}-bit weights")
+        if not weights.get("symmetric", True):
+            raise refuse("asymmetric weights (zero points)")
+        if weights.get("strategy") not in ("group", "channel"):
+            raise refuse(f"strategy {weights.get('strategy')!r}")
+        if weights.get("actorder") == "group":
+            raise refuse("act-order groups (g_idx)")
+        group_size = int(weights["group_size"]) if weights["strategy"] == "group" else None
+        schemes.add((int(weights["num_bits"]), group_size))
+    if len(schemes) != 1:
+        raise refuse("schemes that differ between layers" if schemes else "without weight schemes")
+    ((bits, group_size),) = schemes
+    return QuantSpec("compressed-tensors", (1, group_size) if group_size else None, pre_quantized=True,
+                     skip=tuple(qcfg.get("ignore") or ()), bits=bits)

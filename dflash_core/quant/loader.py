@@ -1,11 +1,13 @@
 """Load a target with quantized linear layers through transformers' own loader.
 
 transformers builds the model (every family's module layout, key renames, buffers) and reads the checkpoint;
-a quantizer it calls while the model is still a skeleton replaces the linear layers with ours (`Fp8Linear`), so
-the checkpoint's FP8 tensors land in them as they are, one byte a weight. transformers' extension point is a
-quantizer registered under a method name (`register_quantizer`); ours is "dflash_fp8", and the checkpoint's
-config is handed over with that method name, so its own "fp8" quantizer (which on a CPU dequantizes the whole
-model to bf16, and on CUDA needs kernels from the hub) stays untouched for everything else in the process.
+a quantizer it calls while the model is still a skeleton replaces the linear layers the checkpoint holds quantized
+with ours (`Fp8Linear`, `PackedIntLinear`), so the checkpoint's tensors land in them as they are: one byte a weight
+in FP8, half a byte in int4. transformers' extension point is a quantizer registered under a method name
+(`register_quantizer`); ours is "dflash", and the checkpoint's config is handed over with that method name, so
+transformers' own quantizers for the format (its "fp8" one dequantizes the whole model to bf16 on a CPU and needs
+kernels from the hub on CUDA; its compressed-tensors one needs that library) stay untouched for everything else in
+the process.
 
 `--quantization fp8` (a full-precision checkpoint, quantized while it loads): the same quantizer, not
 pre-quantized; transformers' own FP8 quantization op (`Fp8Quantize`) turns each weight into FP8 and its scales as
@@ -33,30 +35,34 @@ from transformers.utils.quantization_config import FineGrainedFP8Config
 
 from dflash_core.quant.formats import QuantSpec
 from dflash_core.quant.fp8 import FP8_DTYPE, Fp8Linear
+from dflash_core.quant.packed_int import PackedIntLinear
 
-METHOD = "dflash_fp8"
-SCALE_SUFFIX = ".weight_scale_inv"
+METHOD = "dflash"
+# the tensor each format keeps beside a quantized layer's weight: which modules a checkpoint holds quantized
+MARKERS = {"fp8": ".weight_scale_inv", "compressed-tensors": ".weight_packed"}
 
 
-class DFlashFp8Config(FineGrainedFP8Config):
-    """transformers' FP8 config under our method name (so that transformers hands loading to our quantizer)."""
+class DFlashQuantConfig(FineGrainedFP8Config):
+    """transformers' FP8 config (its fields drive `--quantization fp8`'s op) under our method name, so that
+    transformers hands loading to our quantizer, with what our quantizer needs of the checkpoint."""
 
-    def __init__(self, compute_dtype: str = "bfloat16", checkpoint_scales: tuple[str, ...] = (),
-                 **kwargs: Any) -> None:
+    def __init__(self, compute_dtype: str = "bfloat16", checkpoint_modules: tuple[str, ...] = (), kind: str = "fp8",
+                 bits: int = 8, group_size: int | None = None, **kwargs: Any) -> None:
         kwargs["quant_method"] = METHOD
         super().__init__(**kwargs)
         self.compute_dtype = compute_dtype  # a torch dtype's name: the config stays JSON
-        self.checkpoint_scales = tuple(checkpoint_scales)  # modules the checkpoint holds FP8 scales for
+        self.checkpoint_modules = tuple(checkpoint_modules)  # the modules the checkpoint holds quantized
+        self.kind, self.bits, self.group_size = kind, bits, group_size  # "fp8" or "compressed-tensors"
 
 
-class DFlashFp8Quantizer(HfQuantizer):
-    """Replaces the skeleton's linear layers with `Fp8Linear`s before transformers reads the weights."""
+class DFlashQuantizer(HfQuantizer):
+    """Replaces the skeleton's linear layers with our quantized ones before transformers reads the weights."""
 
     requires_calibration = False
-    quantization_config: DFlashFp8Config
+    quantization_config: DFlashQuantConfig
 
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
-        """Nothing to check: the layers run on CPU and CUDA alike (`quant/fp8.py`)."""
+        """Nothing to check: the layers run on CPU and CUDA alike (`quant/fp8.py`, `quant/packed_int.py`)."""
 
     def param_needs_quantization(self, model: nn.Module, param_name: str, **kwargs: Any) -> bool:
         """A full-precision weight read into an FP8 layer is quantized on the way (`--quantization fp8`)."""
@@ -70,40 +76,51 @@ class DFlashFp8Quantizer(HfQuantizer):
 
         return Fp8Quantize(self)
 
+    def _layer(self, linear: nn.Linear) -> nn.Module | None:
+        """`linear`'s quantized replacement (on the skeleton's device), or None where it stays as it is."""
+        qc = self.quantization_config
+        dtype, device = getattr(torch, qc.compute_dtype), linear.weight.device
+        if qc.kind == "compressed-tensors":
+            groups = linear.in_features // qc.group_size if qc.group_size else 1
+            return PackedIntLinear(linear.in_features, linear.out_features, qc.bits, groups, linear.bias is not None,
+                                   dtype, device)
+        block = tuple(qc.weight_block_size) if qc.weight_block_size else None
+        if not self.pre_quantized and block and (linear.out_features % block[0] or linear.in_features % block[1]):
+            return None  # as transformers' quantization op: a weight that does not tile stays as it is
+        layer = Fp8Linear(linear.in_features, linear.out_features, block, linear.bias is not None, dtype, device)
+        if not self.pre_quantized:
+            # the placeholder in the checkpoint's precision: transformers (5.17) reads a tensor in its
+            # placeholder's dtype before the quantization op sees it, and FP8 there would round it twice
+            layer.weight.data = torch.empty_like(layer.weight, dtype=dtype)
+        return layer
+
     def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> None:
         qc = self.quantization_config
-        block = tuple(qc.weight_block_size) if qc.weight_block_size else None
         # the output head stays in full precision whatever the skip list says: the draft multiplies by it
         skip = list(qc.modules_to_not_convert or []) + get_keys_to_not_convert(model)
         converted = set()
         for name, module in list(model.named_modules()):
             if not isinstance(module, nn.Linear) or not should_convert_module(name, skip):
                 continue
-            if self.pre_quantized and name not in qc.checkpoint_scales:
+            if self.pre_quantized and name not in qc.checkpoint_modules:
                 continue  # the checkpoint left it in full precision
-            if not self.pre_quantized and block and (module.out_features % block[0] or module.in_features % block[1]):
-                continue  # as transformers' quantization op: a weight that does not tile stays as it is
-            parent, _, child = name.rpartition(".")
-            layer = Fp8Linear(module.in_features, module.out_features, block, module.bias is not None,
-                              getattr(torch, qc.compute_dtype), module.weight.device)
-            if not self.pre_quantized:
-                # the placeholder in the checkpoint's precision: transformers (5.17) reads a tensor in its
-                # placeholder's dtype before the quantization op sees it, and FP8 there would round it twice
-                layer.weight.data = torch.empty_like(layer.weight, dtype=layer.compute_dtype)
-            setattr(model.get_submodule(parent), child, layer)
-            converted.add(name)
-        missing = sorted(set(qc.checkpoint_scales) - converted)
+            layer = self._layer(module)
+            if layer is not None:
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent), child, layer)
+                converted.add(name)
+        missing = sorted(set(qc.checkpoint_modules) - converted)
         if missing:
             raise ValueError(
                 f"the checkpoint quantizes {len(missing)} weight(s) this server keeps only in full precision (first: "
-                f"{missing[0]}; the output head, MoE experts and embeddings are not served in FP8); serve the bf16 "
-                "checkpoint with --quantization fp8")
+                f"{missing[0]}; the output head, MoE experts and embeddings are not served quantized); serve the "
+                "bf16 checkpoint (with --quantization fp8)")
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
         for module in model.modules():
-            if isinstance(module, Fp8Linear):
-                if module.weight.dtype != FP8_DTYPE:
-                    raise RuntimeError(f"transformers loaded {module.weight.dtype} weights into an FP8 layer")
+            if isinstance(module, Fp8Linear) and module.weight.dtype != FP8_DTYPE:
+                raise RuntimeError(f"transformers loaded {module.weight.dtype} weights into an FP8 layer")
+            if isinstance(module, (Fp8Linear, PackedIntLinear)):
                 module.requires_grad_(False)  # served, never trained (the loader hands back trainable parameters)
         return model
 
@@ -118,9 +135,9 @@ class DFlashFp8Quantizer(HfQuantizer):
 def _register() -> None:
     """Register our config and quantizer with transformers once per process."""
     if METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
-        register_quantization_config(METHOD)(DFlashFp8Config)
+        register_quantization_config(METHOD)(DFlashQuantConfig)
     if METHOD not in AUTO_QUANTIZER_MAPPING:
-        register_quantizer(METHOD)(DFlashFp8Quantizer)
+        register_quantizer(METHOD)(DFlashQuantizer)
 
 
 def checkpoint_keys(folder: Path) -> list[str]:
@@ -138,13 +155,29 @@ def checkpoint_keys(folder: Path) -> list[str]:
 
 
 def load_quantized(auto: Any, folder: Path, config: Any, spec: QuantSpec, dtype: torch.dtype) -> nn.Module:
-    """`auto.from_pretrained(folder)` with the linear layers `spec` names held in FP8."""
+    """`auto.from_pretrained(folder)` with the linear layers `spec` names held quantized."""
     _register()
-    scales = tuple(k[: -len(SCALE_SUFFIX)] for k in checkpoint_keys(folder) if k.endswith(SCALE_SUFFIX)) if (
+    marker = MARKERS[spec.method]
+    modules = tuple(k[: -len(marker)] for k in checkpoint_keys(folder) if k.endswith(marker)) if (
         spec.pre_quantized) else ()
-    qc = DFlashFp8Config(compute_dtype=str(dtype).removeprefix("torch."), checkpoint_scales=scales,
-                         weight_block_size=spec.block, modules_to_not_convert=list(spec.skip) or None)
+    packed = spec.method == "compressed-tensors"
+    group_size = spec.block[1] if packed and spec.block else None
+    qc = DFlashQuantConfig(compute_dtype=str(dtype).removeprefix("torch."), checkpoint_modules=modules,
+                           kind=spec.method, bits=spec.bits, group_size=group_size,
+                           weight_block_size=None if packed else spec.block,
+                           modules_to_not_convert=list(spec.skip) or None)
     if spec.pre_quantized:
         config.quantization_config = qc.to_dict()
         return auto.from_pretrained(str(folder), config=config, dtype=dtype)
     return auto.from_pretrained(str(folder), config=config, dtype=dtype, quantization_config=qc)
+
+
+def weights_format(model: nn.Module) -> str | None:
+    """How a loaded model's linear weights are held: "fp8", "compressed-tensors int4" (or int8), None in full
+    precision."""
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            return "fp8"
+        if isinstance(module, PackedIntLinear):
+            return f"compressed-tensors int{module.bits}"
+    return None

@@ -1,0 +1,77 @@
+"""Integer-quantized linear layers in compressed-tensors' `pack-quantized` format (W4A16, W8A16: weight-only).
+
+A checkpoint's layer holds `weight_packed` [out, ceil(in * bits / 32)] int32 (the signed values offset by
+2^(bits-1) and packed densely, element i at bit i * bits of its row, little-endian words), `weight_scale`
+[out, in / group] (one scale per `group` inputs of a row; [out, 1] per channel) and `weight_shape` ([out, in]).
+The weight is symmetric: `value * scale`. This is what compressed-tensors' compressor writes for GPTQ- and AWQ-style
+4-bit schemes and what vLLM serves as W4A16.
+
+A forward unpacks and dequantizes the layer's weight into the compute dtype and multiplies (`F.linear`), with
+compressed-tensors' arithmetic (values cast to the scale's dtype, times the scale, then cast), so the weight equals
+the one transformers' own forward decompresses from the same checkpoint, bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
+    """[rows, words] int32 of densely packed `bits`-bit values (offset by 2^(bits-1)) -> [rows, columns] int8."""
+    rows = packed.shape[0]
+    if bits == 4:  # a 4-bit value never straddles a byte: split bytes (little-endian words)
+        nibbles = packed.contiguous().view(torch.uint8)
+        values = torch.stack((nibbles & 0xF, nibbles >> 4), dim=-1).view(rows, -1)
+    elif bits == 8:
+        values = packed.contiguous().view(torch.uint8).view(rows, -1)
+    else:
+        raise ValueError(f"{bits}-bit packed weights are not served (4 and 8 are)")
+    return (values[:, :columns].to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
+
+
+def dequantize_groups(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 `values` [out, in] times `scale` [out, in / group] (each scale over its group of inputs), computed in the
+    scale's dtype, cast to `dtype`."""
+    rows, cols = values.shape
+    groups = scale.shape[1]
+    w = values.to(scale.dtype).view(rows, groups, cols // groups) * scale[:, :, None]
+    return w.view(rows, cols).to(dtype)
+
+
+class PackedIntLinear(nn.Module):
+    """A linear layer with `bits`-bit symmetric integer weights packed in int32 and per-group (or per-channel)
+    scales; parameter names as compressed-tensors' checkpoints: `weight_packed`, `weight_scale`, `weight_shape`."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bits: int, groups: int, bias: bool, dtype: torch.dtype,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if in_features % groups:
+            raise ValueError(f"{in_features} inputs do not split into {groups} scale groups")
+        self.in_features, self.out_features, self.bits = in_features, out_features, bits
+        self.compute_dtype = dtype
+        words = -(-in_features * bits // 32)
+        self.weight_packed = nn.Parameter(torch.empty(out_features, words, dtype=torch.int32, device=device),
+                                          requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(out_features, groups, dtype=dtype, device=device),
+                                         requires_grad=False)
+        self.weight_shape = nn.Parameter(torch.tensor([out_features, in_features], device=device),
+                                         requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
+                                 requires_grad=False) if bias else None
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight in the compute dtype, as the checkpoint means it."""
+        values = unpack_int32(self.weight_packed, self.bits, self.in_features)
+        return dequantize_groups(values, self.weight_scale, self.compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized(), self.bias)
+
+    def extra_repr(self) -> str:
+        group = self.in_features // self.weight_scale.shape[1]
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}, "
+                f"group={group}")
