@@ -170,9 +170,10 @@ def load_target(
         model = load_quantized(auto, folder, config, spec, dtype)
     model = model.to(device).eval()
     if spec is not None:
-        from dflash_core.quant.fp8_kernels import choose_kernel
+        from dflash_core.quant.base import choose_kernel
+        from dflash_core.quant.fp8_kernels import BlockFp8Kernel
 
-        choose_kernel(model, device)  # cuBLAS's FP8 GEMM where the device runs it correctly (logged)
+        choose_kernel(model, device, BlockFp8Kernel())  # cuBLAS's FP8 GEMM where the device runs it correctly
     return model
 
 

@@ -35,7 +35,7 @@ NEW_TOKENS = 24
 CPU = torch.device("cpu")
 
 
-def _fp8_op(block: tuple[int, int]):
+def _fp8_op(block: tuple[int, int] | None):
     """transformers' own FP8 quantization op, configured as its FineGrainedFP8Config would."""
     from transformers.integrations.finegrained_fp8 import Fp8Quantize
     from transformers.utils.quantization_config import FineGrainedFP8Config
@@ -46,7 +46,7 @@ def _fp8_op(block: tuple[int, int]):
     return Fp8Quantize(Holder())
 
 
-def write_fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int], also: tuple[str, ...] = ()) -> Path:
+def write_fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int] | None, also: tuple[str, ...] = ()) -> Path:
     """`src` (a full-precision checkpoint) in Qwen's FP8 layout: every linear weight but the output head, quantized
     by transformers' op (weights that do not tile by `block` stay as they are, as its op leaves them); `also`: more
     weight names to quantize (the refusal tests)."""
@@ -63,7 +63,7 @@ def write_fp8_checkpoint(src: Path, dst: Path, block: tuple[int, int], also: tup
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((dst / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(block)}
+                                     **({"weight_block_size": list(block)} if block else {})}
     (dst / "config.json").write_text(json.dumps(config))
     return dst
 
@@ -140,8 +140,6 @@ def test_fp8_checkpoint_keeps_its_weights_in_fp8(fp8_pair):
     assert len(layers) == 4 * 7  # q, k, v, o, gate, up, down of each of the 4 layers
     assert all(m.weight.dtype == FP8_DTYPE and m.weight_scale_inv.dtype == torch.float32 for m in layers)
     assert isinstance(model.lm_head, nn.Linear) and model.lm_head.weight.dtype == torch.float32
-    linear_bytes = sum(m.weight.numel() for m in layers)
-    assert sum(m.weight.numel() * m.weight.element_size() for m in layers) == linear_bytes  # one byte a weight
     # the start-up memory plan counts the weights at their real size
     models = load_models(EngineConfig(str(fp8), speculative=False, device="cpu"))
     real = sum(p.numel() * p.element_size() for p in models.engine.target.model.parameters())
@@ -162,6 +160,56 @@ def test_fp8_greedy_equals_transformers_forward(root, arch, backend, speculative
     assert models.backend == backend
     assert models.quantization == "fp8" and any(isinstance(m, Fp8Linear) for m in models.engine.target.model.modules())
     assert greedy(models.engine) == refs
+
+
+def test_fp8_per_tensor_scales(fp8_pair, tmp_path):
+    """A checkpoint with one scale per tensor ([1, 1], as transformers' op writes it)."""
+    fp8, draft, _ = fp8_pair
+    per_tensor = write_fp8_checkpoint(fp8.parent / "target-qwen3", tmp_path / "pt", None)
+    models = load_models(EngineConfig(str(per_tensor), str(draft), speculation="fixed", device="cpu"))
+    layers = [m for m in models.engine.target.model.modules() if isinstance(m, Fp8Linear)]
+    assert len(layers) == 4 * 7 and all(m.block is None and m.weight_scale_inv.shape == (1, 1) for m in layers)
+    assert greedy(models.engine) == transformers_reference(per_tensor)
+
+
+def test_fp8_checkpoint_with_hub_key_names(root, tmp_path):
+    """Qwen3.5's hub checkpoints name their tensors `model.language_model.*` (transformers renames them while
+    loading) and carry tensors the text model does not load (an MTP head): the renamed layers load in FP8, the rest
+    is skipped as transformers skips it."""
+    from safetensors.torch import load_file, save_file
+
+    src, draft, _ = fp8_family("qwen3_5", root)
+    hub = tmp_path / "hub"
+    shutil.copytree(src, hub)
+    tensors = {("model.language_model." + k.removeprefix("model.") if k.startswith("model.") else k): v
+               for k, v in load_file(str(src / "model.safetensors")).items()}
+    tensors.update(_fp8_op((16, 16))._quantize_one("mtp.fc.weight", torch.randn(64, 128)))
+    save_file(tensors, str(hub / "model.safetensors"), metadata={"format": "pt"})
+    models = load_models(EngineConfig(str(hub), str(draft), speculation="fixed", device="cpu"))
+    assert sum(isinstance(m, Fp8Linear) for m in models.engine.target.model.modules()) == 25
+    assert greedy(models.engine) == transformers_reference(hub) == fp8_family("qwen3_5", root)[2]
+
+
+def test_fp8_checkpoint_in_another_layout_is_refused(fp8_pair, tmp_path):
+    """AutoFP8's layout (a per-tensor `weight_scale`, a static `input_scale`) would load unscaled: refused."""
+    from safetensors.torch import load_file, save_file
+
+    src = fp8_pair[0].parent / "target-qwen3"
+    folder = _with_config(src, tmp_path / "autofp8", quantization_config={"quant_method": "fp8",
+                                                                          "activation_scheme": "static"})
+    tensors = {}
+    for key, value in load_file(str(src / "model.safetensors")).items():
+        if key.endswith("proj.weight"):
+            scale = value.abs().max() / 448
+            tensors[key] = (value / scale).to(FP8_DTYPE)
+            module = key.removesuffix(".weight")
+            tensors[f"{module}.weight_scale"], tensors[f"{module}.input_scale"] = scale.float(), torch.tensor(1.0)
+        else:
+            tensors[key] = value
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError) as err:
+        load_target(folder, CPU, torch.float32)
+    assert "\n" not in str(err.value) and "input_scale" in str(err.value) and "--quantization fp8" in str(err.value)
 
 
 def test_fp8_seeded_sampling_equal_with_and_without_speculation(fp8_pair):
@@ -237,12 +285,14 @@ def _with_config(src: Path, dst: Path, **changes) -> Path:
         ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {
             "type": "int", "num_bits": 4, "strategy": "group", "group_size": 16, "actorder": "group"}}}},
          ("act-order groups",)),
+        ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {
+            "type": "int", "num_bits": 4, "strategy": "group", "group_size": None}}}}, ("without a group size",)),
         ({"quant_method": "mxfp4"}, ("mxfp4", "gpt-oss")),
         ({"quant_method": "exotic"}, ("'exotic' is not supported",)),
         ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}, ("ue8m0",)),
     ],
-    ids=["bnb4", "bnb8", "awq", "gptq", "ct-fp8", "ct-asymmetric", "ct-w8a8", "ct-actorder", "mxfp4", "exotic",
-         "fp8-ue8m0"],
+    ids=["bnb4", "bnb8", "awq", "gptq", "ct-fp8", "ct-asymmetric", "ct-w8a8", "ct-actorder", "ct-no-group-size",
+         "mxfp4", "exotic", "fp8-ue8m0"],
 )
 def test_formats_not_served_are_refused_in_one_line(fp8_pair, tmp_path, qcfg, words):
     folder = _with_config(fp8_pair[0], tmp_path / "t", quantization_config=qcfg)
@@ -259,6 +309,8 @@ def test_other_refusals_are_one_line(fp8_pair, tmp_path):
     for path in (gguf, tmp_path):  # a GGUF file, a folder of them
         with pytest.raises(ValueError, match="GGUF is llama.cpp's format; serve its bf16 checkpoint"):
             load_target(path, CPU, torch.float32)
+    with pytest.raises(ValueError, match="^Qwen/Qwen3-8B-GGUF: GGUF is llama.cpp's format"):
+        load_target("Qwen/Qwen3-8B-GGUF", CPU, torch.float32)  # refused before any download
     with pytest.raises(ValueError, match="quantization must be one of fp8, got 'int4'"):
         EngineConfig(quantization="int4")
     with pytest.raises(ValueError, match="--quantization 'int4' is not supported"):
@@ -351,7 +403,8 @@ def emulated_block_scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, output_
     (m, k), n = a.shape, b.shape[1]
     assert a.dtype == b.dtype == FP8_DTYPE and m % 4 == 0 and b.stride(0) == 1  # b: a column-major view
     assert scale_a.shape == (m, k // 128) and scale_a.stride(0) == 1  # outer-dimension-major
-    assert scale_b.shape[0] % 4 == 0 and scale_b.shape[1] == n // 128  # K blocks padded to a multiple of 4
+    # the weight's scales: [K / 128 rounded up to 4, N / 128], a transposed view (K blocks contiguous)
+    assert scale_b.shape == (-(-k // 128 // 4) * 4, n // 128) and scale_b.stride() == (1, scale_b.shape[0])
     a_full = a.float() * scale_a.repeat_interleave(128, 1)
     b_full = b.float() * scale_b[: k // 128].repeat_interleave(128, 0).repeat_interleave(128, 1)
     return (a_full @ b_full).to(output_dtype)
@@ -363,19 +416,21 @@ def test_block_fp8_kernel_plumbing(wide_pair, monkeypatch):
     product, inside the engine (DFlash output equal to plain decoding's with the same kernel) and in a compiled graph
     as one opaque call."""
     from dflash_core.quant import fp8_kernels
+    from dflash_core.quant.base import choose_kernel
 
+    kernel = fp8_kernels.BlockFp8Kernel()
     target, draft = wide_pair
     model = load_target(target, CPU, torch.float32, "fp8")
-    choice = fp8_kernels.choose_kernel(model, CPU)
+    choice = choose_kernel(model, CPU, kernel)
     assert not choice.used and choice.reason == "cpu: the kernel is CUDA's"
-    assert all(m.kernel_scales is None for m in model.modules() if isinstance(m, Fp8Linear))
+    assert all(m.kernel is None for m in model.modules() if isinstance(m, Fp8Linear))
 
     monkeypatch.setattr(torch.nn.functional, "scaled_mm", emulated_block_scaled_mm)
-    monkeypatch.setattr(fp8_kernels, "unavailable", lambda device: None)
+    monkeypatch.setattr(fp8_kernels.BlockFp8Kernel, "unavailable", lambda self, device: None)
     layer = model.model.layers[0].mlp.down_proj  # [128, 256]: two K blocks, padded to four
     x = torch.randn(3, 5, 256)
     exact = torch.nn.functional.linear(x, layer.dequantized())
-    choice = fp8_kernels.choose_kernel(model, CPU)
+    choice = choose_kernel(model, CPU, kernel)
     assert choice.used and choice.layers == 3 * 7 and choice.error < fp8_kernels.TOLERANCE
     out = layer(x)
     assert out.shape == exact.shape and 0 < (out - exact).norm() / exact.norm() < fp8_kernels.TOLERANCE
@@ -386,7 +441,7 @@ def test_block_fp8_kernel_plumbing(wide_pair, monkeypatch):
     for speculative in (True, False):
         models = load_models(EngineConfig(str(target), str(draft), quantization="fp8", speculative=speculative,
                                           speculation="fixed", device="cpu"))
-        assert all(m.kernel_scales is not None for m in models.engine.target.model.modules()
+        assert all(m.kernel is not None for m in models.engine.target.model.modules()
                    if isinstance(m, Fp8Linear))
         outs.append(greedy(models.engine))
     assert outs[0] == outs[1]
@@ -396,8 +451,8 @@ def test_block_fp8_kernel_plumbing(wide_pair, monkeypatch):
                    lambda *a, **k: 2 * emulated_block_scaled_mm(*a, **k)):
         monkeypatch.setattr(torch.nn.functional, "scaled_mm", broken)
         fresh = load_target(target, CPU, torch.float32, "fp8")
-        assert all(m.kernel_scales is None for m in fresh.modules() if isinstance(m, Fp8Linear))
-    assert "disagreed" in fp8_kernels.choose_kernel(fresh, CPU).reason
+        assert all(m.kernel is None for m in fresh.modules() if isinstance(m, Fp8Linear))
+    assert "disagreed" in choose_kernel(fresh, CPU, kernel).reason
 
 
 
@@ -456,10 +511,17 @@ def test_packed_int_unpacking_is_compressed_tensors_own():
         packed = pack_to_int32(values, bits)
         assert torch.equal(unpack_int32(packed, bits, cols), values)
         assert torch.equal(unpack_from_int32(packed, bits, torch.Size((6, cols))), values)
-    scale = torch.rand(6, 4)
+    from compressed_tensors.quantization.lifecycle.forward_helpers import _dequantize
+
     values = torch.randint(-8, 8, (6, 64), dtype=torch.int8)
-    assert torch.equal(dequantize_groups(values, scale, torch.float32),
-                       values.float() * scale.repeat_interleave(16, 1))
+    for dtype in (torch.float32, torch.bfloat16):  # compressed-tensors' arithmetic: in the scale's dtype, then cast
+        scale = torch.rand(6, 4).to(dtype)
+        theirs = _dequantize(values, scale.repeat_interleave(16, 1), dtype=dtype)
+        assert torch.equal(dequantize_groups(values, scale, 16, dtype), theirs)
+    # a last group shorter than the others (2880 inputs in groups of 128: 22 full groups and one of 64)
+    values, scale = torch.randint(-8, 8, (3, 72), dtype=torch.int8), torch.rand(3, 3)
+    assert torch.equal(dequantize_groups(values, scale, 32, torch.float32),
+                       values.float() * scale.repeat_interleave(32, 1)[:, :72])
 
 
 @pytest.mark.parametrize("speculative", [True, False], ids=["dflash", "plain"])

@@ -404,8 +404,9 @@ def fp8_check(plan: Plan) -> dict[str, Any]:
     for bf16 weights, the dequantizing FP8 forward and the kernel."""
     import torch
 
+    from dflash_core.quant.base import choose_kernel
     from dflash_core.quant.fp8 import Fp8Linear
-    from dflash_core.quant.fp8_kernels import choose_kernel
+    from dflash_core.quant.fp8_kernels import BlockFp8Kernel
 
     out_f, in_f = (256, 384) if plan.device.type != "cuda" else (4096, 12288)
     dtype = torch.bfloat16 if plan.device.type == "cuda" else torch.float32
@@ -419,7 +420,7 @@ def fp8_check(plan: Plan) -> dict[str, Any]:
         result[f"bf16_ms_{rows}"] = _time_ms(lambda x=x: torch.nn.functional.linear(x, weight), plan.device,
                                               plan.iters)["ms"]
         result[f"dequant_ms_{rows}"] = _time_ms(lambda x=x: layer(x), plan.device, plan.iters)["ms"]
-    choice = choose_kernel(holder, plan.device)
+    choice = choose_kernel(holder, plan.device, BlockFp8Kernel())
     result.update(kernel=choice.used, reason=choice.reason, probe_error=choice.error)
     for rows in (1, 16, 256) if choice.used else ():
         x = torch.randn(rows, in_f, device=plan.device, dtype=dtype)

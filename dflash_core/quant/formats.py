@@ -38,8 +38,9 @@ _NOT_YET = {
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """How the target's linear weights are held: `method` (today "fp8"), the scale `block` (None: one scale per
-    tensor), whether the checkpoint is already quantized, and the module names it leaves in full precision."""
+    """How the target's linear weights are held: `method` ("fp8" or "compressed-tensors"), the scale `block` (None:
+    one scale per tensor, or per channel), whether the checkpoint is already quantized, the module names it leaves in
+    full precision, and the weights' `bits`."""
 
     method: str
     block: tuple[int, int] | None  # compressed-tensors: (1, group size), None per channel
@@ -57,10 +58,13 @@ class QuantSpec:
 
 
 def gguf_refusal(path: str | Path) -> str | None:
-    """The start-up line for a GGUF file or a folder of them (no transformers config beside), else None."""
+    """The start-up line for a GGUF file, a folder of them (no transformers config beside) or a hub repository
+    named as one ("...-GGUF", not downloaded), else None."""
     p = Path(path).expanduser()
-    is_gguf = p.suffix == ".gguf" or (p.is_dir() and any(p.glob("*.gguf")) and not (p / "config.json").exists())
-    return f"{p}: {_NOT_YET['gguf']}; {_INSTEAD}" if is_gguf else None
+    is_gguf = p.suffix.lower() == ".gguf" or (
+        p.is_dir() and any(p.glob("*.gguf")) and not (p / "config.json").exists()) or (
+        not p.exists() and str(path).lower().endswith("gguf"))
+    return f"{path}: {_NOT_YET['gguf']}; {_INSTEAD}" if is_gguf else None
 
 
 def method_of(qcfg: dict[str, Any]) -> str:
@@ -101,8 +105,8 @@ def _compressed_tensors_spec(qcfg: dict[str, Any]) -> QuantSpec:
     """A compressed-tensors config served as packed integer weights, or ValueError naming what is not served."""
 
     def refuse(what: str) -> ValueError:
-        return ValueError(f"the target is quantized with compressed-tensors {what}, which is not served yet (served: "
-                          f"pack-quantized symmetric int4 / int8 weights without activation quantization); {_INSTEAD}")
+        return ValueError(f"the target is quantized with compressed-tensors {what}, not served yet (served: "
+                          f"weight-only symmetric int4 / int8, pack-quantized); {_INSTEAD}")
 
     for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
         if qcfg.get(key):
@@ -122,6 +126,8 @@ def _compressed_tensors_spec(qcfg: dict[str, Any]) -> QuantSpec:
             raise refuse(f"strategy {weights.get('strategy')!r}")
         if weights.get("actorder") == "group":
             raise refuse("act-order groups (g_idx)")
+        if weights["strategy"] == "group" and not isinstance(weights.get("group_size"), int):
+            raise refuse("group strategy without a group size")
         group_size = int(weights["group_size"]) if weights["strategy"] == "group" else None
         schemes.add((int(weights["num_bits"]), group_size))
     if len(schemes) != 1:

@@ -6,7 +6,7 @@ scale per b0 x b1 block of the weight; a scalar when the checkpoint scales per t
 `weight * weight_scale_inv` block by block.
 
 A forward dequantizes the layer's weight into the compute dtype and multiplies (`F.linear`): the weights stay one
-byte each in memory and only one layer's full-precision copy lives at a time. On CUDA (sm90+) a layer multiplies
+byte each in memory and only one layer's full-precision copy lives at a time. On CUDA (sm90) a layer multiplies
 by cuBLAS's block-scaled FP8 GEMM instead, once `quant/fp8_kernels.py` has checked it on the device.
 
 The dequantization is transformers' arithmetic (float32 product, then cast), so a dequantized weight equals the one
@@ -16,8 +16,9 @@ transformers' own forward uses for the same checkpoint (on a CPU), bit for bit, 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from dflash_core.quant.base import QuantizedLinear
 
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -42,7 +43,7 @@ def dequantize_blocks(
     return out.to(dtype)
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(QuantizedLinear):
     """A linear layer whose weight is FP8 with block-wise (or per-tensor) scales; parameter names as the
     checkpoints': `weight`, `weight_scale_inv`, `bias`."""
 
@@ -56,28 +57,16 @@ class Fp8Linear(nn.Module):
         self.compute_dtype = dtype
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
                                    requires_grad=False)
-        scales = (-(-out_features // self.block[0]), -(-in_features // self.block[1])) if self.block else ()
+        # per tensor: [1, 1], as transformers' FP8 op writes a per-tensor scale
+        scales = (-(-out_features // self.block[0]), -(-in_features // self.block[1])) if self.block else (1, 1)
         self.weight_scale_inv = nn.Parameter(torch.ones(scales, dtype=torch.float32, device=device),
                                              requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
                                  requires_grad=False) if bias else None
-        # set by `fp8_kernels.choose_kernel` where cuBLAS's block-scaled GEMM runs: the weight scales as it wants them
-        self.register_buffer("kernel_scales", None, persistent=False)
-
-    def use_kernel(self, scales: torch.Tensor) -> None:
-        """Multiply by `dflash::fp8_block_linear` (`quant/fp8_kernels.py`) with these padded scales from now on."""
-        self.kernel_scales = scales
 
     def dequantized(self) -> torch.Tensor:
         """The weight in the compute dtype, as the checkpoint means it."""
         return dequantize_blocks(self.weight, self.weight_scale_inv, self.block, self.compute_dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel_scales is None:
-            return F.linear(x, self.dequantized(), self.bias)
-        y = torch.ops.dflash.fp8_block_linear(x.reshape(-1, self.in_features), self.weight, self.kernel_scales)
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}, fp8=e4m3"

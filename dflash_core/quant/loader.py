@@ -81,9 +81,8 @@ class DFlashQuantizer(HfQuantizer):
         qc = self.quantization_config
         dtype, device = getattr(torch, qc.compute_dtype), linear.weight.device
         if qc.kind == "compressed-tensors":
-            groups = linear.in_features // qc.group_size if qc.group_size else 1
-            return PackedIntLinear(linear.in_features, linear.out_features, qc.bits, groups, linear.bias is not None,
-                                   dtype, device)
+            return PackedIntLinear(linear.in_features, linear.out_features, qc.bits, qc.group_size,
+                                   linear.bias is not None, dtype, device)
         block = tuple(qc.weight_block_size) if qc.weight_block_size else None
         if not self.pre_quantized and block and (linear.out_features % block[0] or linear.in_features % block[1]):
             return None  # as transformers' quantization op: a weight that does not tile stays as it is
@@ -94,27 +93,56 @@ class DFlashQuantizer(HfQuantizer):
             layer.weight.data = torch.empty_like(layer.weight, dtype=dtype)
         return layer
 
+    def _quantized_modules(self, model: nn.Module) -> set[str]:
+        """The model's names of the modules the checkpoint holds quantized: each checkpoint name through the model's
+        own key renames (transformers' conversion mapping: Qwen3.5's `model.language_model.` prefix and the like).
+        A name that lands on a parameter of the model (fused MoE experts) is refused; one that lands nowhere (an
+        MTP head, a vision tower the text model does not load) is skipped, as transformers skips its tensors."""
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        renamings = get_model_conversion_mapping(model)
+        modules, params = dict(model.named_modules()), dict(model.named_parameters())
+        found, refused = set(), []
+        for original in self.quantization_config.checkpoint_modules:
+            key = f"{original}.weight"
+            for rename in renamings:
+                key, _ = rename.rename_source_key(key)
+            name = key.removesuffix(".weight")
+            if isinstance(modules.get(name), nn.Linear):
+                found.add(name)
+            elif name in modules or key in params:
+                refused.append(original)
+        if refused:
+            raise ValueError(
+                f"the checkpoint quantizes {len(refused)} weight(s) this server keeps only in full precision (first: "
+                f"{sorted(refused)[0]}; the output head, MoE experts and embeddings are not served quantized); serve "
+                "the bf16 checkpoint (with --quantization fp8)")
+        return found
+
     def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> None:
         qc = self.quantization_config
+        quantized = self._quantized_modules(model) if self.pre_quantized else set()
         # the output head stays in full precision whatever the skip list says: the draft multiplies by it
         skip = list(qc.modules_to_not_convert or []) + get_keys_to_not_convert(model)
         converted = set()
+        head = model.get_output_embeddings()
         for name, module in list(model.named_modules()):
-            if not isinstance(module, nn.Linear) or not should_convert_module(name, skip):
+            if not isinstance(module, nn.Linear) or module is head:
                 continue
-            if self.pre_quantized and name not in qc.checkpoint_modules:
+            if self.pre_quantized and name not in quantized:
                 continue  # the checkpoint left it in full precision
+            if not self.pre_quantized and not should_convert_module(name, skip):
+                continue
             layer = self._layer(module)
             if layer is not None:
                 parent, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent), child, layer)
                 converted.add(name)
-        missing = sorted(set(qc.checkpoint_modules) - converted)
-        if missing:
+        if quantized - converted:
             raise ValueError(
-                f"the checkpoint quantizes {len(missing)} weight(s) this server keeps only in full precision (first: "
-                f"{missing[0]}; the output head, MoE experts and embeddings are not served quantized); serve the "
-                "bf16 checkpoint (with --quantization fp8)")
+                f"the checkpoint quantizes {len(quantized - converted)} weight(s) this server keeps only in full "
+                f"precision (first: {sorted(quantized - converted)[0]}: the output head is not served quantized, the "
+                "draft multiplies by it); serve the bf16 checkpoint (with --quantization fp8)")
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
         for module in model.modules():
@@ -158,8 +186,20 @@ def load_quantized(auto: Any, folder: Path, config: Any, spec: QuantSpec, dtype:
     """`auto.from_pretrained(folder)` with the linear layers `spec` names held quantized."""
     _register()
     marker = MARKERS[spec.method]
-    modules = tuple(k[: -len(marker)] for k in checkpoint_keys(folder) if k.endswith(marker)) if (
-        spec.pre_quantized) else ()
+    modules: tuple[str, ...] = ()
+    if spec.pre_quantized:
+        keys = checkpoint_keys(folder)
+        modules = tuple(k[: -len(marker)] for k in keys if k.endswith(marker))
+        other = next((k for k in keys if k.endswith((".weight_scale", ".input_scale"))), None)
+        if spec.method == "fp8" and (other is not None or not modules):
+            # AutoFP8's layout (per-tensor `weight_scale`, static `input_scale`), or no safetensors at all: the FP8
+            # values would land in full-precision layers unscaled
+            found = f"its tensors include {other}" if other else f"it has no {marker[1:]} tensors in safetensors"
+            raise ValueError(f"the target's FP8 checkpoint is not in the layout served ({found}; served: "
+                             f"{marker[1:]} block or per-tensor scales, as Qwen's FP8 checkpoints); serve its bf16 "
+                             "checkpoint with --quantization fp8")
+        if not modules:
+            raise ValueError(f"the target's {spec.method} checkpoint has no {marker[1:]} tensors in safetensors")
     packed = spec.method == "compressed-tensors"
     group_size = spec.block[1] if packed and spec.block else None
     qc = DFlashQuantConfig(compute_dtype=str(dtype).removeprefix("torch."), checkpoint_modules=modules,

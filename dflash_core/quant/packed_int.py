@@ -2,7 +2,8 @@
 
 A checkpoint's layer holds `weight_packed` [out, ceil(in * bits / 32)] int32 (the signed values offset by
 2^(bits-1) and packed densely, element i at bit i * bits of its row, little-endian words), `weight_scale`
-[out, in / group] (one scale per `group` inputs of a row; [out, 1] per channel) and `weight_shape` ([out, in]).
+[out, ceil(in / group)] (one scale per `group` inputs of a row, the last group possibly partial; [out, 1] per
+channel) and `weight_shape` ([out, in]).
 The weight is symmetric: `value * scale`. This is what compressed-tensors' compressor writes for GPTQ- and AWQ-style
 4-bit schemes and what vLLM serves as W4A16.
 
@@ -14,8 +15,9 @@ the one transformers' own forward decompresses from the same checkpoint, bit for
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from dflash_core.quant.base import QuantizedLinear
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
@@ -31,27 +33,29 @@ def unpack_int32(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
     return (values[:, :columns].to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
 
 
-def dequantize_groups(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """int8 `values` [out, in] times `scale` [out, in / group] (each scale over its group of inputs), computed in the
-    scale's dtype, cast to `dtype`."""
+def dequantize_groups(values: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """int8 `values` [out, in] times `scale` [out, ceil(in / group)] (each scale over its `group` inputs; the last
+    group may be partial), computed in the scale's dtype, cast to `dtype`."""
     rows, cols = values.shape
-    groups = scale.shape[1]
-    w = values.to(scale.dtype).view(rows, groups, cols // groups) * scale[:, :, None]
-    return w.view(rows, cols).to(dtype)
+    w = values.to(scale.dtype)
+    if cols % group == 0:  # the scales broadcast over a view of the groups
+        return (w.view(rows, cols // group, group) * scale[:, :, None]).view(rows, cols).to(dtype)
+    return (w * scale.repeat_interleave(group, dim=1)[:, :cols]).to(dtype)
 
 
-class PackedIntLinear(nn.Module):
+class PackedIntLinear(QuantizedLinear):
     """A linear layer with `bits`-bit symmetric integer weights packed in int32 and per-group (or per-channel)
     scales; parameter names as compressed-tensors' checkpoints: `weight_packed`, `weight_scale`, `weight_shape`."""
 
     def __init__(
-        self, in_features: int, out_features: int, bits: int, groups: int, bias: bool, dtype: torch.dtype,
+        self, in_features: int, out_features: int, bits: int, group_size: int | None, bias: bool, dtype: torch.dtype,
         device: torch.device | str | None = None,
     ) -> None:
+        """`group_size`: inputs per scale (None: one scale per output channel)."""
         super().__init__()
-        if in_features % groups:
-            raise ValueError(f"{in_features} inputs do not split into {groups} scale groups")
         self.in_features, self.out_features, self.bits = in_features, out_features, bits
+        self.group = group_size or in_features
+        groups = -(-in_features // self.group)
         self.compute_dtype = dtype
         words = -(-in_features * bits // 32)
         self.weight_packed = nn.Parameter(torch.empty(out_features, words, dtype=torch.int32, device=device),
@@ -66,12 +70,8 @@ class PackedIntLinear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The weight in the compute dtype, as the checkpoint means it."""
         values = unpack_int32(self.weight_packed, self.bits, self.in_features)
-        return dequantize_groups(values, self.weight_scale, self.compute_dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantized(), self.bias)
+        return dequantize_groups(values, self.weight_scale, self.group, self.compute_dtype)
 
     def extra_repr(self) -> str:
-        group = self.in_features // self.weight_scale.shape[1]
         return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}, "
-                f"group={group}")
+                f"group={self.group}")
