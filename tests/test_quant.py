@@ -73,8 +73,11 @@ def transformers_reference(folder: Path) -> dict[tuple[int, ...], list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    assert not any(p.dtype == FP8_DTYPE for p in model.parameters())  # on a CPU it dequantizes every weight
-    return {tuple(p): hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS}
+    refs = {tuple(p): hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS}
+    # on a CPU transformers multiplies by dequantized weights (FP8: from the start; compressed-tensors: from the
+    # first forward on)
+    assert not any(p.dtype in (FP8_DTYPE, torch.int32) for p in model.parameters())
+    return refs
 
 
 def greedy(engine) -> dict[tuple[int, ...], list[int]]:
@@ -274,14 +277,14 @@ def _with_config(src: Path, dst: Path, **changes) -> Path:
         ({"quant_method": "awq", "bits": 4, "group_size": 128}, ("awq", "not served yet")),
         ({"quant_method": "gptq", "bits": 4}, ("gptq", "not served yet")),
         ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {"weights": {
-            "type": "float", "num_bits": 8, "strategy": "channel"}}}},
-         ("compressed-tensors format 'float-quantized'",)),
+            "type": "float", "num_bits": 8, "strategy": "block"}}}}, ("FP8 weights with strategy 'block'",)),
         ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {
             "type": "int", "num_bits": 4, "strategy": "group", "group_size": 16, "symmetric": False}}}},
          ("asymmetric weights",)),
         ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
             "weights": {"type": "int", "num_bits": 8, "strategy": "channel"},
-            "input_activations": {"type": "int", "num_bits": 8, "dynamic": True}}}}, ("activation quantization",)),
+            "input_activations": {"type": "int", "num_bits": 8, "dynamic": True}}}},
+         ("integer activation quantization",)),
         ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {
             "type": "int", "num_bits": 4, "strategy": "group", "group_size": 16, "actorder": "group"}}}},
          ("act-order groups",)),
@@ -291,7 +294,7 @@ def _with_config(src: Path, dst: Path, **changes) -> Path:
         ({"quant_method": "exotic"}, ("'exotic' is not supported",)),
         ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}, ("ue8m0",)),
     ],
-    ids=["bnb4", "bnb8", "awq", "gptq", "ct-fp8", "ct-asymmetric", "ct-w8a8", "ct-actorder", "ct-no-group-size",
+    ids=["bnb4", "bnb8", "awq", "gptq", "ct-fp8-block", "ct-asymmetric", "ct-w8a8", "ct-actorder", "ct-no-group-size",
          "mxfp4", "exotic", "fp8-ue8m0"],
 )
 def test_formats_not_served_are_refused_in_one_line(fp8_pair, tmp_path, qcfg, words):
@@ -377,6 +380,12 @@ def test_memory_estimate_counts_packed_int_weights_at_their_size(root):
     assert est["quantization"] == "compressed-tensors" and est["quantization_bits"] == 4
     assert est["weights_bytes"] == models.memory.weights
     assert "target linear weights int4 (compressed-tensors)" in bench_memory.format_memory([{**est, "preset": "x"}])
+    fp8, draft, _ = float_family("qwen3", True, root)
+    est = bench_memory.memory_estimate(str(fp8), str(draft), dtype="float32", max_model_len=64,
+                                       max_running_requests=2)
+    models = load_models(EngineConfig(str(fp8), str(draft), device="cpu", max_model_len=64, max_running_requests=2))
+    assert est["weights_bytes"] == models.memory.weights
+    assert "target linear weights FP8 (compressed-tensors)" in bench_memory.format_memory([{**est, "preset": "x"}])
 
 
 def test_fp8_presets_fit_the_cards_bf16_does_not():
@@ -456,9 +465,12 @@ def test_block_fp8_kernel_plumbing(wide_pair, monkeypatch):
 
 
 
-def write_compressed_checkpoint(src: Path, dst: Path, bits: int, group_size: int | None) -> Path:
-    """`src` in compressed-tensors' pack-quantized format, by compressed-tensors itself: its scheme applied to every
-    linear layer but the head, min-max scales from its own `calculate_qparams`, packed by its compressor."""
+def write_compressed_checkpoint(src: Path, dst: Path, bits: int, group_size: int | None,
+                                kind: str = "int", dynamic_activations: bool = False) -> Path:
+    """`src` in compressed-tensors' format, by compressed-tensors itself: its scheme applied to every linear layer but
+    the head, min-max scales from its own `calculate_qparams`, compressed by its compressor: `kind` "int" packs
+    symmetric `bits`-bit integers per group (or per channel) (pack-quantized); "float" writes FP8 weights per channel
+    (float-quantized), with `dynamic_activations` FP8 per token in each forward (FP8-dynamic, W8A8)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -470,9 +482,11 @@ def write_compressed_checkpoint(src: Path, dst: Path, bits: int, group_size: int
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
-    args = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="group" if group_size else "channel",
+    args = QuantizationArgs(num_bits=bits, type=kind, symmetric=True, strategy="group" if group_size else "channel",
                             group_size=group_size)
-    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    acts = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True) if (
+        dynamic_activations) else None
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts)
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
     for module in model.modules():
         if getattr(module, "quantization_scheme", None) is not None:
@@ -480,7 +494,8 @@ def write_compressed_checkpoint(src: Path, dst: Path, bits: int, group_size: int
             groups = w.view(w.shape[0], -1, group_size or w.shape[1])
             scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
             module.weight_scale.data = scale.to(module.weight_scale.dtype).view_as(module.weight_scale)
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+    fmt = "pack-quantized" if kind == "int" else "float-quantized"
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
     model.save_pretrained(str(dst))
     compressor.update_config(str(dst))
@@ -540,3 +555,79 @@ def test_compressed_tensors_greedy_equals_transformers_forward(root, arch, backe
     assert layers and all(m.bits == bits and m.weight_packed.dtype == torch.int32 for m in layers)
     assert models.quantization == f"compressed-tensors int{bits}"
     assert greedy(models.engine) == refs
+
+
+
+@functools.cache
+def float_family(arch: str, dynamic_activations: bool, root: Path) -> tuple[Path, Path, dict]:
+    """(compressed-tensors FP8 target, draft, transformers' greedy references) for the tiny pair of `arch`."""
+    tmp = root / f"{arch}-fp8-channel-{dynamic_activations}"
+    target, draft = make_tiny_pair(tmp, arch=arch)
+    fp8 = write_compressed_checkpoint(target, tmp / "target-fp8", 8, None, "float", dynamic_activations)
+    refs = transformers_reference(fp8)
+    assert refs != transformers_reference(target)
+    return fp8, draft, refs
+
+
+def test_fp8_token_quantization_is_compressed_tensors_own():
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    from dflash_core.quant.fp8_channel import fake_quantize_tokens
+
+    args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(2, 5, 96) * torch.logspace(-2, 1, 96)).to(dtype)
+        x[0, 1] = 0  # a token of zeros
+        scale, zero = compute_dynamic_scales_and_zp(x, args, torch.nn.Module())
+        assert torch.equal(fake_quantize_tokens(x), fake_quantize(x, scale, zero, args))
+
+
+@pytest.mark.parametrize("speculative", [True, False], ids=["dflash", "plain"])
+@pytest.mark.parametrize("arch,backend,dynamic", [("qwen3", "native", True), ("qwen3", "generic", True),
+                                                  ("qwen3", "native", False), ("qwen3_5", "native", True)],
+                         ids=["w8a8-native", "w8a8-generic", "w8a16-native", "w8a8-hybrid"])
+def test_compressed_tensors_fp8_greedy_equals_transformers_forward(root, arch, backend, dynamic, speculative):
+    """FP8 weights per channel (float-quantized), weight-only or FP8-dynamic (inputs quantized per token in each
+    forward), written by compressed-tensors: greedy output equal to transformers' forward of the checkpoint."""
+    from dflash_core.quant.fp8_channel import Fp8ChannelLinear
+
+    fp8, draft, refs = float_family(arch, dynamic, root)
+    models = load_models(EngineConfig(str(fp8), str(draft), backend=backend, speculative=speculative,
+                                      speculation="fixed", device="cpu"))
+    layers = [m for m in models.engine.target.model.modules() if isinstance(m, Fp8ChannelLinear)]
+    assert layers and all(m.weight.dtype == FP8_DTYPE and m.dynamic_activations == dynamic for m in layers)
+    assert greedy(models.engine) == refs
+
+
+def test_row_wise_fp8_kernel_runs_where_torch_has_it(root, monkeypatch):
+    """torch's row-wise FP8 GEMM (`_scaled_mm`, which runs on this CPU too) multiplies FP8-dynamic layers once the
+    device check passes: it agrees with the fake-quantized product, and DFlash output equals plain decoding's with
+    the same kernel. On a CPU by default the layers keep the kernel-free forward."""
+    from dflash_core.quant.base import choose_kernel
+    from dflash_core.quant.fp8_channel import Fp8ChannelLinear, RowWiseFp8Kernel
+
+    fp8, draft, _ = float_family("qwen3", True, root)
+    model = load_target(fp8, CPU, torch.float32)
+    assert not choose_kernel(model, CPU, RowWiseFp8Kernel()).used
+    monkeypatch.setattr(RowWiseFp8Kernel, "unavailable", lambda self, device: None)
+    choice = choose_kernel(model, CPU, RowWiseFp8Kernel())
+    one = torch.ones(4, 16).to(FP8_DTYPE)
+    try:  # torch 2.13's CPU _scaled_mm scales rows; 2.11's only whole tensors
+        torch._scaled_mm(one, one.t(), scale_a=torch.ones(4, 1), scale_b=torch.ones(1, 4), out_dtype=torch.float32)
+    except RuntimeError:
+        # where torch refuses the call, the probe catches it and every layer keeps the kernel-free forward
+        assert not choice.used and "failed its probe" in choice.reason
+        assert all(m.kernel is None for m in model.modules() if isinstance(m, Fp8ChannelLinear))
+        return
+    assert choice.used and choice.layers == 4 * 7 and choice.error < RowWiseFp8Kernel.tolerance
+    outs = []
+    for speculative in (True, False):
+        models = load_models(EngineConfig(str(fp8), str(draft), speculative=speculative, speculation="fixed",
+                                          device="cpu"))
+        target = models.engine.target.model
+        choose_kernel(target, CPU, RowWiseFp8Kernel())
+        assert all(m.kernel is not None for m in target.modules() if isinstance(m, Fp8ChannelLinear))
+        outs.append(greedy(models.engine))
+    assert outs[0] == outs[1]

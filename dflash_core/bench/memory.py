@@ -184,7 +184,8 @@ def _quantization_of(qcfg: dict[str, Any] | None) -> dict[str, Any]:
     except ValueError as exc:
         raise BenchError(str(exc)) from None
     assert spec is not None
-    return {"quantization": spec.method, "quantization_block": spec.block, "quantization_bits": spec.bits}
+    return {"quantization": spec.method, "quantization_block": spec.block, "quantization_bits": spec.bits,
+            "quantization_layer": spec.layer}
 
 
 def _attention_params(m: dict[str, Any]) -> int:
@@ -266,16 +267,19 @@ def target_weight_bytes(m: dict[str, Any], nbytes: int, quantization: str | None
     total = target_params(m) * nbytes
     if quantization is None:
         return total
-    block = m.get("quantization_block") or (None if quantization == "compressed-tensors" else LOAD_TIME_BLOCK)
+    layer = m.get("quantization_layer") or "fp8-block"
+    block = m.get("quantization_block") or (LOAD_TIME_BLOCK if layer == "fp8-block" else None)
     bits = int(m.get("quantization_bits") or 8)
     for i, kind in enumerate(layer_types(m)):
         for out, inp in _quantizable(m, i, kind):
-            if quantization == "fp8" and not (out % block[0] == 0 and inp % block[1] == 0):
+            if layer == "fp8-block" and not (out % block[0] == 0 and inp % block[1] == 0):
                 continue  # left in the compute dtype
-            if quantization == "fp8":
+            if layer == "fp8-block":
                 size = out * inp + (out // block[0]) * (inp // block[1]) * 4
-            else:
-                size = out * -(-inp * bits // 32) * 4 + out * (inp // block[1] if block else 1) * nbytes + 16
+            elif layer == "fp8-channel":  # FP8 values, a scale per row in the compute dtype
+                size = out * inp + out * nbytes
+            else:  # packed integers in int32 words, a scale per group (or row), the two-element shape
+                size = out * -(-inp * bits // 32) * 4 + out * -(-inp // (block[1] if block else inp)) * nbytes + 16
             total += size - out * inp * nbytes
     return total
 
@@ -391,6 +395,7 @@ def memory_estimate(
     }
     out["quantization"] = quantization
     out["quantization_bits"] = int(t.get("quantization_bits") or 8) if quantization else None
+    out["quantization_layer"] = (t.get("quantization_layer") or "fp8-block") if quantization else None
     out["weights_bytes"] = weights = target_weight_bytes(t, nbytes, quantization) + out["draft_params"] * nbytes
     # what backend auto picks: native for its families (without sliding windows), else generic
     native = t.get("model_type", "qwen3") in (*NATIVE_MODEL_TYPES, *HYBRID_MODEL_TYPES)
@@ -456,7 +461,8 @@ def _cell(card: dict[str, Any], length: int, cap: int, backend: str) -> str:
 
 def _weights_note(row: dict[str, Any]) -> str:
     if row.get("quantization") == "compressed-tensors":
-        return f", target linear weights int{row['quantization_bits']} (compressed-tensors)"
+        kind = "FP8" if row.get("quantization_layer") == "fp8-channel" else f"int{row['quantization_bits']}"
+        return f", target linear weights {kind} (compressed-tensors)"
     return ", target linear weights in FP8" if row.get("quantization") == "fp8" else ""
 
 

@@ -40,9 +40,13 @@ class QuantizedLinear(nn.Module, ABC):
     def dequantized(self) -> torch.Tensor:
         """The weight [out_features, in_features] in the compute dtype, as the checkpoint means it."""
 
+    def activations(self, x: torch.Tensor) -> torch.Tensor:
+        """The input as the format multiplies it (a W8A8 format quantizes it; weight-only formats: as it is)."""
+        return x
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is None:
-            return F.linear(x, self.dequantized(), self.bias)
+            return F.linear(self.activations(x), self.dequantized(), self.bias)
         y = self.kernel(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -82,14 +86,14 @@ PROBE_ROWS = (1, 16, 256)
 
 
 def probe(product: Product, layer: QuantizedLinear, rows: tuple[int, ...] = PROBE_ROWS) -> float:
-    """`product`'s largest relative error on `layer` against the dequantized product, over `rows` rows each (raises
-    what the kernel raises)."""
+    """`product`'s largest relative error on `layer` against the layer's own kernel-free product (its activations as
+    the format takes them, times the dequantized weight), over `rows` rows each (raises what the kernel raises)."""
     device = next(layer.parameters()).device
     g = torch.Generator(device=device).manual_seed(0)
     weight, worst = layer.dequantized(), 0.0
     for n in rows:
         x = torch.randn(n, layer.in_features, generator=g, device=device).to(layer.compute_dtype)
-        ref = F.linear(x, weight).float()
+        ref = F.linear(layer.activations(x), weight).float()
         worst = max(worst, float((product(x).float() - ref).norm() / ref.norm().clamp(min=1e-12)))
     return worst
 

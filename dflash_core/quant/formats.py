@@ -6,7 +6,9 @@ A checkpoint says how it is quantized in its config's `quantization_config` (tra
   scales, as transformers' `FineGrainedFP8Config` writes them (`quant/fp8.py`).
 - `compressed-tensors` in its `pack-quantized` format, weight-only (W4A16, W8A16: GPTQ- and AWQ-style schemes as
   llm-compressor writes them): symmetric 4- or 8-bit integers with a scale per group of inputs or per channel
-  (`quant/packed_int.py`).
+  (`quant/packed_int.py`); and in its `float-quantized` format: FP8 weights with a scale per channel (or tensor),
+  weight-only or with activations quantized to FP8 per token in each forward (FP8-dynamic, W8A8)
+  (`quant/fp8_channel.py`).
 
 `--quantization fp8` quantizes a full-precision checkpoint's linear layers to that format while it loads (128 x 128
 blocks, as Qwen's). Everything else is refused at start-up with one line naming the format and what to use instead.
@@ -43,16 +45,24 @@ class QuantSpec:
     full precision, and the weights' `bits`."""
 
     method: str
-    block: tuple[int, int] | None  # compressed-tensors: (1, group size), None per channel
+    block: tuple[int, int] | None  # compressed-tensors: (1, group size), None per channel (or tensor)
     pre_quantized: bool
     skip: tuple[str, ...] = ()
     bits: int = 8
+    # the layer that holds the weights: "fp8-block" (`Fp8Linear`), "packed-int" (`PackedIntLinear`) or
+    # "fp8-channel" (`Fp8ChannelLinear`)
+    layer: str = "fp8-block"
+    dynamic_activations: bool = False  # activations quantized to FP8 per token in each forward (W8A8)
+    per_tensor: bool = False  # "fp8-channel": one weight scale per tensor instead of per output channel
 
     def describe(self) -> str:
         source = "checkpoint" if self.pre_quantized else "quantized at load"
-        if self.method == "compressed-tensors":
+        if self.layer == "packed-int":
             group = f"groups of {self.block[1]}" if self.block else "per-channel scales"
             return f"compressed-tensors int{self.bits} ({group}, {source})"
+        if self.layer == "fp8-channel":
+            acts = "FP8 activations per token" if self.dynamic_activations else "weight-only"
+            return f"compressed-tensors fp8 (per-channel scales, {acts}, {source})"
         block = f"{self.block[0]}x{self.block[1]} blocks" if self.block else "per-tensor scales"
         return f"{self.method} ({block}, {source})"
 
@@ -102,11 +112,13 @@ def quant_spec(qcfg: dict[str, Any] | None, load_time: str | None) -> QuantSpec 
 
 
 def _compressed_tensors_spec(qcfg: dict[str, Any]) -> QuantSpec:
-    """A compressed-tensors config served as packed integer weights, or ValueError naming what is not served."""
+    """A compressed-tensors config served as packed integer weights (pack-quantized, weight-only) or FP8 weights
+    (float-quantized, weight-only or with dynamic per-token FP8 activations), or ValueError naming what is not
+    served."""
 
     def refuse(what: str) -> ValueError:
         return ValueError(f"the target is quantized with compressed-tensors {what}, not served yet (served: "
-                          f"weight-only symmetric int4 / int8, pack-quantized); {_INSTEAD}")
+                          f"int4 / int8 W4A16 / W8A16, FP8 W8A16 / W8A8-dynamic); {_INSTEAD}")
 
     for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
         if qcfg.get(key):
@@ -114,24 +126,39 @@ def _compressed_tensors_spec(qcfg: dict[str, Any]) -> QuantSpec:
     schemes = set()
     for group in (qcfg.get("config_groups") or {}).values():
         fmt, weights = group.get("format") or qcfg.get("format"), group.get("weights") or {}
-        if fmt != "pack-quantized":
-            raise refuse(f"format {fmt!r}")
-        if group.get("input_activations") or group.get("output_activations"):
-            raise refuse("activation quantization (W8A8)")
-        if weights.get("type") != "int" or weights.get("num_bits") not in (4, 8):
-            raise refuse(f"{weights.get('type')} {weights.get('num_bits')}-bit weights")
+        acts = group.get("input_activations")
+        if group.get("output_activations"):
+            raise refuse("output activation quantization")
         if not weights.get("symmetric", True):
             raise refuse("asymmetric weights (zero points)")
-        if weights.get("strategy") not in ("group", "channel"):
-            raise refuse(f"strategy {weights.get('strategy')!r}")
         if weights.get("actorder") == "group":
             raise refuse("act-order groups (g_idx)")
-        if weights["strategy"] == "group" and not isinstance(weights.get("group_size"), int):
-            raise refuse("group strategy without a group size")
-        group_size = int(weights["group_size"]) if weights["strategy"] == "group" else None
-        schemes.add((int(weights["num_bits"]), group_size))
+        if fmt == "pack-quantized":
+            if acts:
+                raise refuse("integer activation quantization (W8A8 int8)")
+            if weights.get("type") != "int" or weights.get("num_bits") not in (4, 8):
+                raise refuse(f"{weights.get('type')} {weights.get('num_bits')}-bit weights")
+            if weights.get("strategy") not in ("group", "channel"):
+                raise refuse(f"strategy {weights.get('strategy')!r}")
+            if weights["strategy"] == "group" and not isinstance(weights.get("group_size"), int):
+                raise refuse("group strategy without a group size")
+            group_size = int(weights["group_size"]) if weights["strategy"] == "group" else None
+            schemes.add(("packed-int", int(weights["num_bits"]), group_size, False))  # (layer, bits, group, acts)
+        elif fmt == "float-quantized":
+            if weights.get("type") != "float" or weights.get("num_bits") != 8:
+                raise refuse(f"{weights.get('type')} {weights.get('num_bits')}-bit weights")
+            if weights.get("strategy") not in ("channel", "tensor"):
+                raise refuse(f"FP8 weights with strategy {weights.get('strategy')!r}")
+            if acts and not (acts.get("type") == "float" and acts.get("num_bits") == 8 and acts.get("dynamic") is True
+                             and acts.get("strategy") == "token" and acts.get("symmetric", True)):
+                raise refuse("activation quantization other than dynamic FP8 per token")
+            schemes.add(("fp8-channel", 8, weights["strategy"] == "tensor", bool(acts)))
+        else:
+            raise refuse(f"format {fmt!r}")
     if len(schemes) != 1:
         raise refuse("schemes that differ between layers" if schemes else "without weight schemes")
-    ((bits, group_size),) = schemes
+    ((layer, bits, detail, dynamic),) = schemes  # detail: the group size (packed-int), per tensor (fp8-channel)
+    group_size = detail if layer == "packed-int" else None
     return QuantSpec("compressed-tensors", (1, group_size) if group_size else None, pre_quantized=True,
-                     skip=tuple(qcfg.get("ignore") or ()), bits=bits)
+                     skip=tuple(qcfg.get("ignore") or ()), bits=bits, layer=layer, dynamic_activations=dynamic,
+                     per_tensor=layer == "fp8-channel" and bool(detail))

@@ -33,26 +33,30 @@ from transformers.quantizers.base import get_keys_to_not_convert
 from transformers.quantizers.quantizers_utils import should_convert_module
 from transformers.utils.quantization_config import FineGrainedFP8Config
 
+from dflash_core.quant.base import QuantizedLinear
 from dflash_core.quant.formats import QuantSpec
 from dflash_core.quant.fp8 import FP8_DTYPE, Fp8Linear
+from dflash_core.quant.fp8_channel import Fp8ChannelLinear
 from dflash_core.quant.packed_int import PackedIntLinear
 
 METHOD = "dflash"
-# the tensor each format keeps beside a quantized layer's weight: which modules a checkpoint holds quantized
-MARKERS = {"fp8": ".weight_scale_inv", "compressed-tensors": ".weight_packed"}
+# the tensor each layer kind keeps beside a quantized layer's weight: which modules a checkpoint holds quantized
+MARKERS = {"fp8-block": ".weight_scale_inv", "packed-int": ".weight_packed", "fp8-channel": ".weight_scale"}
 
 
 class DFlashQuantConfig(FineGrainedFP8Config):
     """transformers' FP8 config (its fields drive `--quantization fp8`'s op) under our method name, so that
     transformers hands loading to our quantizer, with what our quantizer needs of the checkpoint."""
 
-    def __init__(self, compute_dtype: str = "bfloat16", checkpoint_modules: tuple[str, ...] = (), kind: str = "fp8",
-                 bits: int = 8, group_size: int | None = None, **kwargs: Any) -> None:
+    def __init__(self, compute_dtype: str = "bfloat16", checkpoint_modules: tuple[str, ...] = (),
+                 layer: str = "fp8-block", bits: int = 8, group_size: int | None = None, per_tensor: bool = False,
+                 dynamic_activations: bool = False, **kwargs: Any) -> None:
         kwargs["quant_method"] = METHOD
         super().__init__(**kwargs)
         self.compute_dtype = compute_dtype  # a torch dtype's name: the config stays JSON
         self.checkpoint_modules = tuple(checkpoint_modules)  # the modules the checkpoint holds quantized
-        self.kind, self.bits, self.group_size = kind, bits, group_size  # "fp8" or "compressed-tensors"
+        self.layer, self.bits, self.group_size = layer, bits, group_size  # `QuantSpec.layer`
+        self.per_tensor, self.dynamic_activations = per_tensor, dynamic_activations
 
 
 class DFlashQuantizer(HfQuantizer):
@@ -80,9 +84,12 @@ class DFlashQuantizer(HfQuantizer):
         """`linear`'s quantized replacement (on the skeleton's device), or None where it stays as it is."""
         qc = self.quantization_config
         dtype, device = getattr(torch, qc.compute_dtype), linear.weight.device
-        if qc.kind == "compressed-tensors":
+        if qc.layer == "packed-int":
             return PackedIntLinear(linear.in_features, linear.out_features, qc.bits, qc.group_size,
                                    linear.bias is not None, dtype, device)
+        if qc.layer == "fp8-channel":
+            return Fp8ChannelLinear(linear.in_features, linear.out_features, qc.per_tensor, qc.dynamic_activations,
+                                    linear.bias is not None, dtype, device)
         block = tuple(qc.weight_block_size) if qc.weight_block_size else None
         if not self.pre_quantized and block and (linear.out_features % block[0] or linear.in_features % block[1]):
             return None  # as transformers' quantization op: a weight that does not tile stays as it is
@@ -146,9 +153,9 @@ class DFlashQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
         for module in model.modules():
-            if isinstance(module, Fp8Linear) and module.weight.dtype != FP8_DTYPE:
+            if isinstance(module, (Fp8Linear, Fp8ChannelLinear)) and module.weight.dtype != FP8_DTYPE:
                 raise RuntimeError(f"transformers loaded {module.weight.dtype} weights into an FP8 layer")
-            if isinstance(module, (Fp8Linear, PackedIntLinear)):
+            if isinstance(module, QuantizedLinear):
                 module.requires_grad_(False)  # served, never trained (the loader hands back trainable parameters)
         return model
 
@@ -185,7 +192,7 @@ def checkpoint_keys(folder: Path) -> list[str]:
 def load_quantized(auto: Any, folder: Path, config: Any, spec: QuantSpec, dtype: torch.dtype) -> nn.Module:
     """`auto.from_pretrained(folder)` with the linear layers `spec` names held quantized."""
     _register()
-    marker = MARKERS[spec.method]
+    marker = MARKERS[spec.layer]
     modules: tuple[str, ...] = ()
     if spec.pre_quantized:
         keys = checkpoint_keys(folder)
@@ -200,11 +207,12 @@ def load_quantized(auto: Any, folder: Path, config: Any, spec: QuantSpec, dtype:
                              "checkpoint with --quantization fp8")
         if not modules:
             raise ValueError(f"the target's {spec.method} checkpoint has no {marker[1:]} tensors in safetensors")
-    packed = spec.method == "compressed-tensors"
-    group_size = spec.block[1] if packed and spec.block else None
+    block_fp8 = spec.layer == "fp8-block"
     qc = DFlashQuantConfig(compute_dtype=str(dtype).removeprefix("torch."), checkpoint_modules=modules,
-                           kind=spec.method, bits=spec.bits, group_size=group_size,
-                           weight_block_size=None if packed else spec.block,
+                           layer=spec.layer, bits=spec.bits, dynamic_activations=spec.dynamic_activations,
+                           group_size=spec.block[1] if spec.layer == "packed-int" and spec.block else None,
+                           per_tensor=spec.per_tensor,
+                           weight_block_size=spec.block if block_fp8 else None,
                            modules_to_not_convert=list(spec.skip) or None)
     if spec.pre_quantized:
         config.quantization_config = qc.to_dict()
@@ -220,4 +228,6 @@ def weights_format(model: nn.Module) -> str | None:
             return "fp8"
         if isinstance(module, PackedIntLinear):
             return f"compressed-tensors int{module.bits}"
+        if isinstance(module, Fp8ChannelLinear):
+            return "compressed-tensors fp8" + (" (W8A8)" if module.dynamic_activations else "")
     return None

@@ -1,0 +1,105 @@
+"""FP8 linear layers with a scale per output channel: compressed-tensors' `float-quantized` format (FP8 W8A16, and
+FP8-dynamic W8A8, the layout of most published "-FP8-dynamic" checkpoints).
+
+A checkpoint's layer holds `weight` [out, in] in `float8_e4m3fn` and `weight_scale` [out, 1] (or one per tensor);
+the weight is `weight * weight_scale`. With dynamic activations the layer's input is quantized to FP8 in each
+forward, one scale per token (its largest magnitude maps to FP8's largest value), and the product is of the
+quantized input.
+
+Without a kernel a forward computes exactly what compressed-tensors' own forward does (`fake_quantize_tokens`, then
+the dequantized weight): quantize and dequantize the input, dequantize the weight in the scale's dtype, multiply.
+On CUDA (sm89+) `RowWiseFp8Kernel` multiplies the FP8 values themselves by `torch._scaled_mm` with the per-token
+and per-channel scales, once a probe on the device has checked it (`quant/base.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dflash_core.quant.base import Product, QuantizedLinear, QuantKernel
+from dflash_core.quant.fp8 import FP8_DTYPE
+
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
+# the kernel's relative error against the fake-quantized product it stands in for: only the order of the float32
+# sums differs
+TOLERANCE = 1e-3
+
+
+def token_scales(x: torch.Tensor) -> torch.Tensor:
+    """Each token's (row's) FP8 scale, [..., 1]: its largest magnitude over FP8's largest value (compressed-tensors'
+    arithmetic; a row of zeros gets the dtype's eps)."""
+    scale = x.abs().amax(dim=-1, keepdim=True) / FP8_MAX
+    return torch.where(scale == 0, torch.tensor(torch.finfo(scale.dtype).eps, dtype=scale.dtype,
+                                                device=scale.device), scale)
+
+
+def fake_quantize_tokens(x: torch.Tensor) -> torch.Tensor:
+    """x quantized to FP8 per token and back, as compressed-tensors' dynamic token strategy does it."""
+    scale = token_scales(x)
+    q = torch.clamp(x / scale, -FP8_MAX, FP8_MAX).to(FP8_DTYPE).to(x.dtype)
+    return (q.to(scale.dtype) * scale).to(x.dtype)
+
+
+class Fp8ChannelLinear(QuantizedLinear):
+    """A linear layer with FP8 weights and a scale per output channel (or per tensor), optionally quantizing its
+    input to FP8 per token; parameter names as compressed-tensors' checkpoints: `weight`, `weight_scale`, `bias`."""
+
+    def __init__(
+        self, in_features: int, out_features: int, per_tensor: bool, dynamic_activations: bool, bias: bool,
+        dtype: torch.dtype, device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.compute_dtype, self.dynamic_activations = dtype, dynamic_activations
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
+                                   requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty((1,) if per_tensor else (out_features, 1), dtype=dtype,
+                                                     device=device), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
+                                 requires_grad=False) if bias else None
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight in the compute dtype: FP8 values times their channel's scale, in the scale's dtype."""
+        return (self.weight.to(self.weight_scale.dtype) * self.weight_scale).to(self.compute_dtype)
+
+    def activations(self, x: torch.Tensor) -> torch.Tensor:
+        return fake_quantize_tokens(x) if self.dynamic_activations else x
+
+    def extra_repr(self) -> str:
+        acts = "fp8 per token" if self.dynamic_activations else "full precision"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 weights, activations {acts}"
+
+
+class RowWiseFp8Kernel(QuantKernel):
+    """`torch._scaled_mm` with per-token activation scales and per-channel weight scales (cuBLAS's row-wise FP8 GEMM,
+    sm89+) for FP8-dynamic layers: the same products as the fake-quantized forward, summed in another order."""
+
+    name = "row-wise FP8 GEMM (torch._scaled_mm)"
+    layer_type = Fp8ChannelLinear
+    tolerance = TOLERANCE
+
+    def unavailable(self, device: torch.device) -> str | None:
+        if device.type != "cuda":
+            return f"{device.type}: the kernel is CUDA's"
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            return f"sm{major}{minor}: FP8 GEMMs need sm89 or newer"
+        return None
+
+    def eligible(self, layer: QuantizedLinear) -> bool:
+        """Dynamic activations (a weight-only layer keeps full-precision inputs), sides multiples of 16 (cuBLAS)."""
+        assert isinstance(layer, Fp8ChannelLinear)
+        return layer.dynamic_activations and layer.in_features % 16 == 0 and layer.out_features % 16 == 0
+
+    def prepare(self, layer: QuantizedLinear) -> Product:
+        assert isinstance(layer, Fp8ChannelLinear)
+        weight_t = layer.weight.t()  # [in, out], column-major: as cuBLAS takes the second operand
+        scale_b = layer.weight_scale.float().reshape(1, -1).expand(1, layer.out_features).contiguous()
+
+        def product(x: torch.Tensor) -> torch.Tensor:
+            scale_a = token_scales(x.float())
+            q = torch.clamp(x.float() / scale_a, -FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+            return torch._scaled_mm(q, weight_t, scale_a=scale_a, scale_b=scale_b, out_dtype=x.dtype)
+
+        return product
