@@ -171,9 +171,11 @@ def load_target(
     model = model.to(device).eval()
     if spec is not None:
         from dflash_core.quant.base import choose_kernel
+        from dflash_core.quant.fp8_channel import RowWiseFp8Kernel
         from dflash_core.quant.fp8_kernels import BlockFp8Kernel
 
-        choose_kernel(model, device, BlockFp8Kernel())  # cuBLAS's FP8 GEMM where the device runs it correctly
+        for kernel in (BlockFp8Kernel(), RowWiseFp8Kernel()):  # FP8 GEMMs where the device runs them correctly
+            choose_kernel(model, device, kernel)
     return model
 
 

@@ -49,9 +49,10 @@ def test_dry_run_writes_the_json(tmp_path: Path) -> None:
     assert all(r["draft_tokens"] == 0 for r in e2e["runs"]["no-speculative"])
     assert "e2e c=1: DFlash (scripted" in proc.stdout
     # FP8 linear layers: on a CPU the kernel is not chosen, and says why; the dequantizing forward is timed
-    fp8 = result["fp8"]
-    assert fp8["kernel"] is False and fp8["reason"] == "cpu: the kernel is CUDA's" and fp8["dequant_ms_16"] > 0
-    assert "FP8 256x384: no kernel (cpu: the kernel is CUDA's)" in proc.stdout
+    for name in ("block", "dynamic"):
+        fp8 = result["fp8"][name]
+        assert fp8["kernel"] is False and fp8["reason"] == "cpu: the kernel is CUDA's" and fp8["dequant_ms_16"] > 0
+        assert f"FP8 {name} 256x384: no kernel (cpu: the kernel is CUDA's)" in proc.stdout
 
 
 def test_scripted_drafter_copies_the_recording_at_its_rate() -> None:
