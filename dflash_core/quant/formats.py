@@ -121,8 +121,11 @@ def _compressed_tensors_spec(qcfg: dict[str, Any]) -> QuantSpec:
                           f"int4 / int8 W4A16 / W8A16, FP8 W8A16 / W8A8-dynamic); {_INSTEAD}")
 
     for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
-        if qcfg.get(key):
+        value = qcfg.get(key)
+        if value and not (key == "sparsity_config" and isinstance(value, dict) and value.get("format") == "dense"):
             raise refuse(f"with a {key}")
+    if qcfg.get("quantization_status", "compressed") != "compressed":
+        raise refuse(f"status {qcfg.get('quantization_status')!r} (full-precision weights beside their scales)")
     schemes = set()
     for group in (qcfg.get("config_groups") or {}).values():
         fmt, weights = group.get("format") or qcfg.get("format"), group.get("weights") or {}
@@ -131,8 +134,10 @@ def _compressed_tensors_spec(qcfg: dict[str, Any]) -> QuantSpec:
             raise refuse("output activation quantization")
         if not weights.get("symmetric", True):
             raise refuse("asymmetric weights (zero points)")
-        if weights.get("actorder") == "group":
-            raise refuse("act-order groups (g_idx)")
+        if str(weights.get("actorder")).lower() not in ("none", "false", "weight", "static"):
+            raise refuse(f"act-order {weights.get('actorder')!r} (g_idx)")
+        if weights.get("dynamic") or weights.get("scale_dtype") or (acts or {}).get("scale_dtype"):
+            raise refuse("dynamic weight scales or scales rounded to another dtype")
         if fmt == "pack-quantized":
             if acts:
                 raise refuse("integer activation quantization (W8A8 int8)")

@@ -207,6 +207,15 @@ def load_quantized(auto: Any, folder: Path, config: Any, spec: QuantSpec, dtype:
                              "checkpoint with --quantization fp8")
         if not modules:
             raise ValueError(f"the target's {spec.method} checkpoint has no {marker[1:]} tensors in safetensors")
+        # tensors of a layout other than the config's: they would be dropped (act-order indices, zero points, static
+        # input scales) or read into the wrong layer
+        foreign = {".weight_g_idx", ".weight_zero_point", ".input_scale", *MARKERS.values()} - {marker}
+        if spec.layer == "packed-int":
+            foreign.discard(".weight_scale")  # its groups' scales, beside weight_packed
+        stray = next((k for k in keys if k.endswith(tuple(foreign))), None)
+        if spec.layer != "fp8-block" and stray is not None:  # (FP8 blocks: refused above, by their own names)
+            raise ValueError(f"the target's checkpoint holds {stray}, which its {spec.method} config does not "
+                             "describe; serve its bf16 checkpoint (with --quantization fp8)")
     block_fp8 = spec.layer == "fp8-block"
     qc = DFlashQuantConfig(compute_dtype=str(dtype).removeprefix("torch."), checkpoint_modules=modules,
                            layer=spec.layer, bits=spec.bits, dynamic_activations=spec.dynamic_activations,
@@ -216,8 +225,22 @@ def load_quantized(auto: Any, folder: Path, config: Any, spec: QuantSpec, dtype:
                            modules_to_not_convert=list(spec.skip) or None)
     if spec.pre_quantized:
         config.quantization_config = qc.to_dict()
-        return auto.from_pretrained(str(folder), config=config, dtype=dtype)
-    return auto.from_pretrained(str(folder), config=config, dtype=dtype, quantization_config=qc)
+        kwargs: dict[str, Any] = {}
+    else:
+        kwargs = dict(quantization_config=qc)
+    try:
+        model, info = auto.from_pretrained(str(folder), config=config, dtype=dtype, output_loading_info=True,
+                                           **kwargs)
+    except RuntimeError as exc:  # transformers' load report (shapes that do not match): many lines
+        first = next((line.strip() for line in str(exc).splitlines() if "MISMATCH" in line), str(exc).splitlines()[0])
+        raise ValueError(f"the quantized checkpoint's tensors do not fit the layers its config describes "
+                         f"({first[:160]})") from None
+    quantized = {name for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    missing = [k for k in info.get("missing_keys", ()) if k.rpartition(".")[0] in quantized]
+    if missing:  # a quantized layer left with uninitialized tensors
+        raise ValueError(f"the quantized checkpoint lacks {len(missing)} tensor(s) of its quantized layers (first: "
+                         f"{sorted(missing)[0]})")
+    return model
 
 
 def weights_format(model: nn.Module) -> str | None:
