@@ -299,10 +299,14 @@ def _with_config(src: Path, dst: Path, **changes) -> Path:
         ({"quant_method": "mxfp4"}, ("mxfp4", "gpt-oss")),
         ({"quant_method": "exotic"}, ("'exotic' is not supported",)),
         ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}, ("ue8m0",)),
+        ({"quant_method": "fp8", "weight_block_size": [128, 0]}, ("weight_block_size is [128, 0]",)),
+        ({"quant_method": "compressed-tensors", "config_groups": [{"weights": {}}]},
+         ("config_groups that are not an object",)),
+        ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": "int4"}}}, ("malformed",)),
     ],
     ids=["bnb4", "bnb8", "awq", "gptq", "ct-fp8-block", "ct-asymmetric", "ct-w8a8", "ct-actorder", "ct-actorder-true",
-         "ct-frozen", "ct-no-group-size",
-         "mxfp4", "exotic", "fp8-ue8m0"],
+         "ct-frozen", "ct-no-group-size", "mxfp4", "exotic", "fp8-ue8m0", "fp8-block-0", "ct-groups-list",
+         "ct-weights-str"],
 )
 def test_formats_not_served_are_refused_in_one_line(fp8_pair, tmp_path, qcfg, words):
     folder = _with_config(fp8_pair[0], tmp_path / "t", quantization_config=qcfg)

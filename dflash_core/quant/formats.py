@@ -87,6 +87,15 @@ def method_of(qcfg: dict[str, Any]) -> str:
 def quant_spec(qcfg: dict[str, Any] | None, load_time: str | None) -> QuantSpec | None:
     """What to load for a checkpoint whose config has `qcfg` (None: full precision) under `--quantization
     load_time` (None: none); raises ValueError with the one-line reason when it cannot be served."""
+    if qcfg is not None and not isinstance(qcfg, dict):
+        raise ValueError(f"the target's quantization_config is a {type(qcfg).__name__}, not an object")
+    try:
+        return _spec(qcfg, load_time)
+    except (AttributeError, TypeError, KeyError) as exc:  # a field of the wrong type, or missing
+        raise ValueError(f"the target's quantization_config is malformed ({type(exc).__name__}: {exc})") from None
+
+
+def _spec(qcfg: dict[str, Any] | None, load_time: str | None) -> QuantSpec | None:
     if load_time is not None and load_time not in LOAD_TIME_METHODS:
         raise ValueError(f"--quantization {load_time!r} is not supported (choose {', '.join(LOAD_TIME_METHODS)})")
     if qcfg is None:
@@ -107,6 +116,9 @@ def quant_spec(qcfg: dict[str, Any] | None, load_time: str | None) -> QuantSpec 
     if str(qcfg.get("fmt") or "e4m3").lower() != "e4m3":
         raise ValueError(f"the target's FP8 weights are {qcfg['fmt']} (only e4m3 is served); {_INSTEAD}")
     block = qcfg.get("weight_block_size")
+    if block is not None and not (isinstance(block, (list, tuple)) and len(block) == 2 and all(
+            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ValueError(f"the target's FP8 weight_block_size is {block!r}, not two positive integers")
     skip = qcfg.get("modules_to_not_convert") or qcfg.get("ignored_layers") or ()
     return QuantSpec("fp8", tuple(int(b) for b in block) if block else None, pre_quantized=True, skip=tuple(skip))
 
@@ -127,7 +139,10 @@ def _compressed_tensors_spec(qcfg: dict[str, Any]) -> QuantSpec:
     if qcfg.get("quantization_status", "compressed") != "compressed":
         raise refuse(f"status {qcfg.get('quantization_status')!r} (full-precision weights beside their scales)")
     schemes = set()
-    for group in (qcfg.get("config_groups") or {}).values():
+    groups = qcfg.get("config_groups") or {}
+    if not isinstance(groups, dict) or not all(isinstance(g, dict) for g in groups.values()):
+        raise refuse("config_groups that are not an object of schemes")
+    for group in groups.values():
         fmt, weights = group.get("format") or qcfg.get("format"), group.get("weights") or {}
         acts = group.get("input_activations")
         if group.get("output_activations"):

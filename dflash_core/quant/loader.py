@@ -231,10 +231,11 @@ def load_quantized(auto: Any, folder: Path, config: Any, spec: QuantSpec, dtype:
     try:
         model, info = auto.from_pretrained(str(folder), config=config, dtype=dtype, output_loading_info=True,
                                            **kwargs)
-    except RuntimeError as exc:  # transformers' load report (shapes that do not match): many lines
-        first = next((line.strip() for line in str(exc).splitlines() if "MISMATCH" in line), str(exc).splitlines()[0])
-        raise ValueError(f"the quantized checkpoint's tensors do not fit the layers its config describes "
-                         f"({first[:160]})") from None
+    except RuntimeError as exc:  # shapes that do not match: transformers has logged its load report
+        reason = "transformers' load report above lists them" if "mismatched" in str(exc) else (
+            str(exc).splitlines()[0][:160])
+        raise ValueError(f"the quantized checkpoint's tensors do not have the shapes its quantization_config "
+                         f"describes ({reason}); check its block or group size and bits") from None
     quantized = {name for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     missing = [k for k in info.get("missing_keys", ()) if k.rpartition(".")[0] in quantized]
     if missing:  # a quantized layer left with uninitialized tensors
