@@ -53,6 +53,9 @@ def read_draft_config(folder: str | Path) -> DraftConfig:
     """The `DraftConfig` of a draft folder in either format."""
     path = config_path(folder)
     raw = json.loads(path.read_text())
+    if raw.get("quantization_config"):  # the draft's weights load as they are stored
+        raise ValueError(f"{path}: the draft is quantized; drafts run in the target's compute dtype, from a "
+                         "full-precision checkpoint")
     if draft_format(raw, path) == SPECULATORS:
         return speculators_config(raw, path)
     return DraftConfig.from_dict(raw)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,10 +158,12 @@ def load_target(
     if refusal:
         raise ValueError(refusal)
     folder = local_folder(path)
+    # the quantization as the checkpoint's config.json states it (before transformers reads it: a malformed one
+    # fails there with a traceback)
+    raw = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
+    spec = quant_spec(raw.get("quantization_config"), quantization)
     config = AutoConfig.from_pretrained(str(folder))
     auto = AutoModelForCausalLM if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else AutoModelForImageTextToText
-    qcfg = getattr(config, "quantization_config", None)
-    spec = quant_spec(qcfg if isinstance(qcfg, dict) or qcfg is None else qcfg.to_dict(), quantization)
     if spec is None:
         model = auto.from_pretrained(str(folder), dtype=dtype)
     else:
@@ -169,6 +172,9 @@ def load_target(
         log.info("target weights: %s", spec.describe())
         model = load_quantized(auto, folder, config, spec, dtype)
     model = model.to(device).eval()
+    if spec is not None and not spec.pre_quantized and weights_format(model) is None:
+        log.warning("--quantization %s: no linear layer's sides divide by its %dx%d blocks; the weights stay in "
+                    "full precision", spec.method, *spec.block)
     if spec is not None:
         from dflash_core.quant.base import choose_kernel
         from dflash_core.quant.fp8_channel import RowWiseFp8Kernel
@@ -211,6 +217,9 @@ def load_models(config: EngineConfig, warm_up: bool = True) -> LoadedModels:
         use_compile_cache(config.compile_cache)  # before the first compile, and the CPU checks below, use it
         probe_cpu_compiler(dev)
     dt = resolve_dtype(config.dtype, dev)
+    refusal = gguf_refusal(target)  # before its tokenizer is looked for
+    if refusal:
+        raise ValueError(refusal)
     tok = AutoTokenizer.from_pretrained(str(local_folder(config.tokenizer or target)))
     model = load_target(target, dev, dt, config.quantization)
     input_major = stores_input_major(dev, dt)

@@ -231,6 +231,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     m("fp8_dynamic_inputs_left_in_full_precision", "dflash_core/quant/fp8_channel.py",
       "Fp8ChannelLinear.activations", "return fake_quantize_tokens(x) if self.dynamic_activations else x", "return x",
       "tests/test_quant.py"),
+    m("fp8_weights_without_scales_accepted", "dflash_core/quant/loader.py", "load_quantized",
+      "        if unscaled:", "        if False:", "tests/test_quant.py"),
     m("api_key_prefix_accepted", "server/checks.py", "check_auth",
       "not hmac.compare_digest(token.strip().encode(), api_key.encode())", "not api_key.startswith(token.strip())",
       "tests/test_api_key.py"),

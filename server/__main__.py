@@ -101,15 +101,15 @@ def _budget_problem(settings: Settings) -> str | None:
 def preflight(settings: Settings) -> str | None:
     """The first mistake that needs no model to find (a path that is not there, CUDA that is not, a CUDA-only
     budget without CUDA), or None."""
+    refusal = gguf_refusal(settings.target) if settings.target is not None else None
+    if refusal:  # first: a GGUF name need not be a folder or a hub id ("org/name-GGUF:Q4_K_M")
+        return f"--target {refusal}"
     for name in ("target", "draft", "tokenizer"):
         value = getattr(settings, name)
         if value is None or (name == "draft" and not settings.speculative):
             continue
         if not Path(value).expanduser().exists() and not _is_hub_id(value):
             return f"--{name} {value}: no such folder (and not a hub id such as 'org/name')"
-    refusal = gguf_refusal(settings.target) if settings.target is not None else None
-    if refusal:
-        return f"--target {refusal}"
     return (_device_problem(settings.device) or _budget_problem(settings) or _record_problem(settings)
             or _adapt_problem(settings))
 

@@ -644,3 +644,53 @@ def test_row_wise_fp8_kernel_runs_where_torch_has_it(root, monkeypatch):
         assert all(m.kernel is not None for m in target.modules() if isinstance(m, Fp8ChannelLinear))
         outs.append(greedy(models.engine))
     assert outs[0] == outs[1]
+
+
+
+def test_incomplete_checkpoints_are_refused(root, tmp_path):
+    """One layer's scale (FP8) or packed weight (int4) missing: refused in one line, not served unscaled or with a
+    random layer."""
+    from safetensors.torch import load_file, save_file
+
+    fp8 = fp8_family("qwen3", root)[0]
+    packed = int_family("qwen3", 4, 16, root)[0]
+    for src, key, words in ((fp8, "model.layers.0.self_attn.q_proj.weight_scale_inv", "FP8 weights without"),
+                            (packed, "model.layers.0.self_attn.q_proj.weight_packed", "lacks 1 tensor")):
+        broken = tmp_path / src.name
+        shutil.copytree(src, broken)
+        tensors = load_file(str(src / "model.safetensors"))
+        del tensors[key]
+        save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(ValueError) as err:
+            load_target(broken, CPU, torch.float32)
+        message = str(err.value)
+        assert "\n" not in message and words in message and "model.layers.0.self_attn.q_proj" in message, message
+
+
+def test_quantization_that_quantizes_nothing_says_so(fp8_pair, caplog):
+    """--quantization fp8 on a model none of whose layers tile by 128 x 128: a warning, full-precision weights."""
+    from dflash_core.quant.loader import weights_format
+
+    with caplog.at_level("WARNING", logger="dflash.loading"):
+        model = load_target(fp8_pair[0].parent / "target-qwen3", CPU, torch.float32, "fp8")
+    assert weights_format(model) is None
+    assert "no linear layer's sides divide by its 128x128 blocks; the weights stay in full precision" in caplog.text
+
+
+def test_malformed_or_misplaced_inputs_are_refused_in_one_line(fp8_pair, tmp_path):
+    from server.__main__ import preflight
+    from server.settings import Settings
+
+    fp8, draft, _ = fp8_pair
+    folder = _with_config(fp8.parent / "target-qwen3", tmp_path / "str", quantization_config="fp8")
+    with pytest.raises(ValueError, match="^the target's quantization_config is a str, not an object$"):
+        load_target(folder, CPU, torch.float32)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="GGUF is llama.cpp's format"):  # before its tokenizer is looked for
+        load_models(EngineConfig(str(gguf), device="cpu"))
+    problem = preflight(Settings(target="unsloth/Qwen3-8B-GGUF:Q4_K_M", device="cpu"))
+    assert problem is not None and problem.startswith("--target unsloth/Qwen3-8B-GGUF:Q4_K_M: GGUF is llama.cpp's")
+    quantized_draft = _with_config(draft, tmp_path / "draft", quantization_config={"quant_method": "fp8"})
+    with pytest.raises(ValueError, match="the draft is quantized; drafts run in the target's compute dtype"):
+        load_models(EngineConfig(str(fp8), str(quantized_draft), device="cpu"))

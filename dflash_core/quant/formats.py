@@ -69,11 +69,11 @@ class QuantSpec:
 
 def gguf_refusal(path: str | Path) -> str | None:
     """The start-up line for a GGUF file, a folder of them (no transformers config beside) or a hub repository
-    named as one ("...-GGUF", not downloaded), else None."""
+    named as one ("org/name-GGUF", "org/name-GGUF:Q4_K_M"; not downloaded), else None."""
     p = Path(path).expanduser()
     is_gguf = p.suffix.lower() == ".gguf" or (
         p.is_dir() and any(p.glob("*.gguf")) and not (p / "config.json").exists()) or (
-        not p.exists() and str(path).lower().endswith("gguf"))
+        not p.exists() and "gguf" in str(path).lower().split("/")[-1])
     return f"{path}: {_NOT_YET['gguf']}; {_INSTEAD}" if is_gguf else None
 
 

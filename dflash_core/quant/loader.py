@@ -16,7 +16,6 @@ it is read, so the full-precision model never sits in memory.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -175,18 +174,16 @@ def _register() -> None:
         register_quantizer(METHOD)(DFlashQuantizer)
 
 
-def checkpoint_keys(folder: Path) -> list[str]:
-    """The tensor names of a safetensors checkpoint (its index when sharded), without reading the tensors."""
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        return list(json.loads(index.read_text())["weight_map"])
+def checkpoint_dtypes(folder: Path) -> dict[str, str]:
+    """Each tensor of a safetensors checkpoint (all its shards) and its dtype ("F8_E4M3", "BF16", ...), read from
+    the files' headers, not their tensors."""
     from safetensors import safe_open
 
-    keys: list[str] = []
+    dtypes: dict[str, str] = {}
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
-            keys.extend(f.keys())
-    return keys
+            dtypes.update({key: f.get_slice(key).get_dtype() for key in f.keys()})
+    return dtypes
 
 
 def load_quantized(auto: Any, folder: Path, config: Any, spec: QuantSpec, dtype: torch.dtype) -> nn.Module:
@@ -195,7 +192,8 @@ def load_quantized(auto: Any, folder: Path, config: Any, spec: QuantSpec, dtype:
     marker = MARKERS[spec.layer]
     modules: tuple[str, ...] = ()
     if spec.pre_quantized:
-        keys = checkpoint_keys(folder)
+        dtypes = checkpoint_dtypes(folder)
+        keys = list(dtypes)
         modules = tuple(k[: -len(marker)] for k in keys if k.endswith(marker))
         other = next((k for k in keys if k.endswith((".weight_scale", ".input_scale"))), None)
         if spec.method == "fp8" and (other is not None or not modules):
@@ -216,6 +214,12 @@ def load_quantized(auto: Any, folder: Path, config: Any, spec: QuantSpec, dtype:
         if spec.layer != "fp8-block" and stray is not None:  # (FP8 blocks: refused above, by their own names)
             raise ValueError(f"the target's checkpoint holds {stray}, which its {spec.method} config does not "
                              "describe; serve its bf16 checkpoint (with --quantization fp8)")
+        # an FP8 weight without its scale would be read into a full-precision layer as it is
+        unscaled = sorted(k for k, d in dtypes.items() if d.startswith("F8") and k.endswith(".weight")
+                          and k.removesuffix(".weight") not in modules)
+        if unscaled:
+            raise ValueError(f"the target's checkpoint holds FP8 weights without their {marker[1:]} (first: "
+                             f"{unscaled[0]}); it is incomplete or in another layout")
     block_fp8 = spec.layer == "fp8-block"
     qc = DFlashQuantConfig(compute_dtype=str(dtype).removeprefix("torch."), checkpoint_modules=modules,
                            layer=spec.layer, bits=spec.bits, dynamic_activations=spec.dynamic_activations,
@@ -236,10 +240,12 @@ def load_quantized(auto: Any, folder: Path, config: Any, spec: QuantSpec, dtype:
             str(exc).splitlines()[0][:160])
         raise ValueError(f"the quantized checkpoint's tensors do not have the shapes its quantization_config "
                          f"describes ({reason}); check its block or group size and bits") from None
-    quantized = {name for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
-    missing = [k for k in info.get("missing_keys", ()) if k.rpartition(".")[0] in quantized]
-    if missing:  # a quantized layer left with uninitialized tensors
-        raise ValueError(f"the quantized checkpoint lacks {len(missing)} tensor(s) of its quantized layers (first: "
+    head = model.get_output_embeddings()  # tied to the embeddings in some checkpoints: not a tensor of its own
+    linear = {name for name, m in model.named_modules()
+              if isinstance(m, (QuantizedLinear, nn.Linear)) and m is not head}
+    missing = [k for k in info.get("missing_keys", ()) if k.rpartition(".")[0] in linear]
+    if missing:  # a layer left with uninitialized tensors (a quantized layer's, or one whose weight was never there)
+        raise ValueError(f"the quantized checkpoint lacks {len(missing)} tensor(s) of its linear layers (first: "
                          f"{sorted(missing)[0]})")
     return model
 
