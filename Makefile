@@ -25,7 +25,8 @@ test:
 test-fast:
 	$(PY) -m pytest -q -m "not slow"
 
-# the core tests (engine exactness on hf/native/hybrid, draft, compile, sampling; tests/conftest.py lists them)
+# the core tests (engine exactness on hf/native/hybrid, draft, compile, sampling, quantized targets; tests/conftest.py
+# lists them)
 test-core:
 	$(PY) -m pytest -q -m core
 

@@ -25,14 +25,17 @@ if [ -z "$py" ]; then
   echo "core-torch211: no Python 3.12 here; running on $("$py" --version 2>&1)" >&2
 fi
 
-# the package's own dependencies less torch and transformers (pinned above), and pytest: no extras
+# the package's own dependencies less torch and transformers (pinned above), pytest, and what tests/test_quant.py
+# builds its checkpoints and references with
 deps=$("$py" - <<'PY'
 import re, tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 names = lambda spec: re.split(r"[\s\[<>=!~;]", spec, maxsplit=1)[0].lower()
 keep = [d for d in project["dependencies"] if names(d) not in ("torch", "transformers")]
 dev = [d for d in project["optional-dependencies"]["dev"] if names(d) in ("pytest", "pytest-timeout")]
-print("\n".join(keep + dev))
+# tests/test_quant.py's references: transformers' FP8 loading needs accelerate; compressed-tensors writes checkpoints
+quant = [d for d in project["optional-dependencies"]["test"] if names(d) in ("accelerate", "compressed-tensors")]
+print("\n".join(keep + dev + quant))
 PY
 )
 key=$( { "$py" --version; echo "torch==$TORCH transformers==$TRANSFORMERS"; echo "$deps"; } | sha256sum | cut -c1-16)

@@ -60,7 +60,8 @@ SLOW_TESTS = {
 # CI's short job on the GPU host's software (``.ci/core_torch211.sh``: torch 2.11, transformers 5.17, Python 3.12);
 # a test of these files listed in SLOW_TESTS is left out.
 CORE_FILES = ("test_engine.py", "test_native.py", "test_hybrid.py", "test_draft.py", "test_draft_device.py",
-              "test_exactness.py", "test_compile.py", "test_sampling_reference.py", "test_step_timing.py")
+              "test_exactness.py", "test_compile.py", "test_sampling_reference.py", "test_step_timing.py",
+              "test_quant.py")
 
 
 def pytest_configure(config: pytest.Config) -> None:
