@@ -172,14 +172,14 @@ def load_target(
         log.info("target weights: %s", spec.describe())
         model = load_quantized(auto, folder, config, spec, dtype)
     model = model.to(device).eval()
-    if spec is not None and not spec.pre_quantized and weights_format(model) is None:
-        log.warning("--quantization %s: no linear layer's sides divide by its %dx%d blocks; the weights stay in "
-                    "full precision", spec.method, *spec.block)
     if spec is not None:
         from dflash_core.quant.base import choose_kernel
         from dflash_core.quant.fp8_channel import RowWiseFp8Kernel
         from dflash_core.quant.fp8_kernels import BlockFp8Kernel
 
+        if not spec.pre_quantized and weights_format(model) is None:
+            log.warning("--quantization %s: no linear layer's sides divide by its %dx%d blocks; the weights stay in "
+                        "full precision", spec.method, *spec.block)
         for kernel in (BlockFp8Kernel(), RowWiseFp8Kernel()):  # FP8 GEMMs where the device runs them correctly
             choose_kernel(model, device, kernel)
     return model

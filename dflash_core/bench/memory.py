@@ -188,26 +188,36 @@ def _quantization_of(qcfg: dict[str, Any] | None) -> dict[str, Any]:
             "quantization_layer": spec.layer}
 
 
-def _attention_params(m: dict[str, Any]) -> int:
-    """Attention (q, k, v, o; q doubled by an output gate; q/k norms for Qwen3 and Gemma; biases and sinks for
-    gpt-oss; no v projection where values are the keys, Gemma 4's global layers)."""
+def _attention_matrices(m: dict[str, Any]) -> list[tuple[int, int]]:
+    """Attention's projections [out, in]: q (doubled by an output gate), k, v (none where values are the keys,
+    Gemma 4's global layers), o."""
     h, hd = int(m["hidden_size"]), int(m["head_dim"])
-    heads = int(m["num_attention_heads"])
-    q, kv = heads * hd, int(m["num_key_value_heads"]) * hd
-    q_out = 2 * q if m.get("attn_output_gate") else q
-    kv_projections = 1 if m.get("k_eq_v") else 2
-    params = h * q_out + kv_projections * h * kv + q * h + (2 * hd if m.get("qk_norm") else 0)
-    if m.get("attention_bias"):
-        params += q_out + 2 * kv + h
+    q, kv = int(m["num_attention_heads"]) * hd, int(m["num_key_value_heads"]) * hd
+    return [(2 * q if m.get("attn_output_gate") else q, h), (kv, h), *([] if m.get("k_eq_v") else [(kv, h)]), (h, q)]
+
+
+def _linear_attention_matrices(m: dict[str, Any]) -> list[tuple[int, int]]:
+    """Gated DeltaNet's projections [out, in]: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj."""
+    h = int(m["hidden_size"])
+    conv, _, nv, _, dv = linear_dims(m)
+    return [(conv, h), (nv * dv, h), (nv, h), (nv, h), (h, nv * dv)]
+
+
+def _attention_params(m: dict[str, Any]) -> int:
+    """Attention (its projections; q/k norms for Qwen3 and Gemma; biases and sinks for gpt-oss)."""
+    hd, heads = int(m["head_dim"]), int(m["num_attention_heads"])
+    mats = _attention_matrices(m)
+    params = sum(o * i for o, i in mats) + (2 * hd if m.get("qk_norm") else 0)
+    if m.get("attention_bias"):  # q's, k's and v's, o's
+        (q_out, _), (kv, _) = mats[:2]
+        params += q_out + 2 * kv + int(m["hidden_size"])
     return params + (heads if m.get("model_type") == "gpt_oss" else 0)
 
 
 def _linear_attention_params(m: dict[str, Any]) -> int:
-    """Gated DeltaNet: in_proj_qkv, in_proj_z, in_proj_b/a, the depthwise convolution, dt_bias, A_log, the gated
-    norm and out_proj."""
-    h = int(m["hidden_size"])
+    """Gated DeltaNet: its projections, the depthwise convolution, dt_bias, A_log, the gated norm."""
     conv, kernel, nv, _, dv = linear_dims(m)
-    return h * conv + 2 * h * nv * dv + 2 * h * nv + conv * kernel + 2 * nv + dv
+    return sum(o * i for o, i in _linear_attention_matrices(m)) + conv * kernel + 2 * nv + dv
 
 
 def _mlp_params(m: dict[str, Any]) -> int:
@@ -240,15 +250,8 @@ def _quantizable(m: dict[str, Any], index: int, kind: str) -> list[tuple[int, in
     DeltaNet projections and a dense MLP's (or a shared expert's); experts, norms, biases, the embeddings and the
     head stay in the compute dtype."""
     h = int(m["hidden_size"])
-    if kind == "linear_attention":
-        conv, _, nv, _, dv = linear_dims(m)
-        mats = [(conv, h), (nv * dv, h), (nv, h), (nv, h), (h, nv * dv)]
-    else:
-        s = layer_shape(m, index, kind)
-        heads, hd = int(s["num_attention_heads"]), int(s["head_dim"])
-        q, kv = heads * hd, int(s["num_key_value_heads"]) * hd
-        mats = [(2 * q if s.get("attn_output_gate") else q, h), (kv, h), *([] if s.get("k_eq_v") else [(kv, h)]),
-                (h, q)]
+    mats = (_linear_attention_matrices(m) if kind == "linear_attention"
+            else _attention_matrices(layer_shape(m, index, kind)))
     experts = int(m.get("num_experts") or m.get("num_local_experts") or 0)
     dense = int(m["intermediate_size"]) if not experts or m.get("enable_moe_block") else 0
     shared = int(m.get("shared_expert_intermediate_size") or 0) if experts else 0

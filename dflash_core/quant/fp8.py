@@ -21,6 +21,7 @@ from torch import nn
 from dflash_core.quant.base import QuantizedLinear
 
 FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448: the largest e4m3 magnitude
 
 
 def dequantize_blocks(

@@ -18,9 +18,8 @@ import torch
 from torch import nn
 
 from dflash_core.quant.base import Product, QuantizedLinear, QuantKernel
-from dflash_core.quant.fp8 import FP8_DTYPE
+from dflash_core.quant.fp8 import FP8_DTYPE, FP8_MAX
 
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
 # the kernel's relative error against the fake-quantized product it stands in for: the same FP8 values, summed in
 # another order (~1e-6 in float32) and, in bf16, rounded once instead of through the dequantized operands (~3e-3);
 # a wrong layout or scale is off by tens of percent

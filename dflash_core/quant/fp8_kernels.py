@@ -11,10 +11,9 @@ The multiply is a torch custom op (`dflash::fp8_block_linear`), so a compiled st
 
 Whether it runs is decided once per loaded model on its device (`quant/base.py`'s `choose_kernel` with
 `BlockFp8Kernel`): the kernel multiplies a layer's weight by random activations and must agree with the dequantized
-product to within FP8's activation rounding; a device, torch or layer that cannot (no CUDA, a torch
-without block-scaled `scaled_mm`, another architecture than sm90 (torch runs this recipe on Hopper only), shapes
-that do not tile by 128, an error, a disagreement) keeps the dequantizing
-forward, and the start-up log says which and why.
+product to within FP8's activation rounding; a device, torch or layer that cannot (no CUDA, a torch without
+block-scaled `scaled_mm`, another architecture than sm90 (torch runs this recipe on Hopper only), shapes that do not
+tile by 128, an error, a disagreement) keeps the dequantizing forward, and the start-up log says which and why.
 """
 
 from __future__ import annotations
@@ -23,10 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from dflash_core.quant.base import Product, QuantizedLinear, QuantKernel
-from dflash_core.quant.fp8 import FP8_DTYPE, Fp8Linear
+from dflash_core.quant.fp8 import FP8_DTYPE, FP8_MAX, Fp8Linear
 
 BLOCK = 128
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
 # the kernel's relative error against the dequantized product that is accepted: FP8 activations round each value
 # by up to 2^-4 relative, which over a sum of K products is a few percent at most (measured ~2-3%)
 TOLERANCE = 0.06
