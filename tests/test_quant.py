@@ -274,8 +274,8 @@ def _with_config(src: Path, dst: Path, **changes) -> Path:
     [
         ({"quant_method": "bitsandbytes", "load_in_4bit": True}, ("bitsandbytes", "--quantization fp8")),
         ({"load_in_8bit": True}, ("bitsandbytes",)),
-        ({"quant_method": "awq", "bits": 4, "group_size": 128}, ("awq", "not served yet")),
-        ({"quant_method": "gptq", "bits": 4}, ("gptq", "not served yet")),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, ("AWQ", "version 'gemv'")),
+        ({"quant_method": "gptq", "bits": 3}, ("GPTQ", "3-bit")),
         ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {"weights": {
             "type": "float", "num_bits": 8, "strategy": "block"}}}}, ("FP8 weights with strategy 'block'",)),
         ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {

@@ -36,7 +36,7 @@ from dflash_core.memory import (
     state_bytes_per_slot,
     verify_logits_bytes,
 )
-from dflash_core.quant.formats import LOAD_TIME_BLOCK, quant_spec
+from dflash_core.quant.formats import LOAD_TIME_BLOCK, quant_spec, quantized_bytes
 
 __all__ = ["GB", "CARDS", "kv_bytes_per_row", "layer_types", "state_bytes_per_slot", "memory_estimate",
            "format_memory", "memory_from_preset", "target_params", "draft_params"]
@@ -264,9 +264,8 @@ def _quantizable(m: dict[str, Any], index: int, kind: str) -> list[tuple[int, in
 def target_weight_bytes(m: dict[str, Any], nbytes: int, quantization: str | None) -> int:
     """The target's weights in bytes: every parameter in the compute dtype; with `quantization` "fp8" the linear
     weights that tile by its block (`quantization_block`, 128 x 128 by default, as transformers' op and Qwen's
-    checkpoints quantize) at one byte each plus a float32 scale per block; with "compressed-tensors" every linear
-    weight packed at `quantization_bits` bits in int32 words plus a scale per group of inputs (or per row) in the
-    compute dtype and its two-element shape."""
+    checkpoints quantize) at one byte each plus a float32 scale per block; with the other formats every linear weight
+    at the size its layer holds it (`quant.formats.quantized_bytes`)."""
     total = target_params(m) * nbytes
     if quantization is None:
         return total
@@ -275,15 +274,8 @@ def target_weight_bytes(m: dict[str, Any], nbytes: int, quantization: str | None
     bits = int(m.get("quantization_bits") or 8)
     for i, kind in enumerate(layer_types(m)):
         for out, inp in _quantizable(m, i, kind):
-            if layer == "fp8-block" and not (out % block[0] == 0 and inp % block[1] == 0):
-                continue  # left in the compute dtype
-            if layer == "fp8-block":
-                size = out * inp + (out // block[0]) * (inp // block[1]) * 4
-            elif layer == "fp8-channel":  # FP8 values, a scale per row in the compute dtype
-                size = out * inp + out * nbytes
-            else:  # packed integers in int32 words, a scale per group (or row), the two-element shape
-                size = out * -(-inp * bits // 32) * 4 + out * -(-inp // (block[1] if block else inp)) * nbytes + 16
-            total += size - out * inp * nbytes
+            size = quantized_bytes(layer, out, inp, bits, block, nbytes)
+            total += 0 if size is None else size - out * inp * nbytes
     return total
 
 
@@ -463,9 +455,10 @@ def _cell(card: dict[str, Any], length: int, cap: int, backend: str) -> str:
 
 
 def _weights_note(row: dict[str, Any]) -> str:
-    if row.get("quantization") == "compressed-tensors":
+    if row.get("quantization") in ("compressed-tensors", "gptq", "awq"):
         kind = "FP8" if row.get("quantization_layer") == "fp8-channel" else f"int{row['quantization_bits']}"
-        return f", target linear weights {kind} (compressed-tensors)"
+        fmt = "compressed-tensors" if row["quantization"] == "compressed-tensors" else row["quantization"].upper()
+        return f", target linear weights {kind} ({fmt})"
     return ", target linear weights in FP8" if row.get("quantization") == "fp8" else ""
 
 

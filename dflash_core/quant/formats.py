@@ -9,6 +9,8 @@ A checkpoint says how it is quantized in its config's `quantization_config` (tra
   (`quant/packed_int.py`); and in its `float-quantized` format: FP8 weights with a scale per channel (or tensor),
   weight-only or with activations quantized to FP8 per token in each forward (FP8-dynamic, W8A8)
   (`quant/fp8_channel.py`).
+- `gptq` (GPTQModel / AutoGPTQ, original or v2 format) and `awq` (AutoAWQ's "gemm" version): 4-bit (GPTQ: or
+  8-bit) integer codes with a scale and a zero point per group of inputs, act-order included (`quant/gptq_awq.py`).
 
 `--quantization fp8` quantizes a full-precision checkpoint's linear layers to that format while it loads (128 x 128
 blocks, as Qwen's). Everything else is refused at start-up with one line naming the format and what to use instead.
@@ -28,9 +30,6 @@ LOAD_TIME_BLOCK = (128, 128)
 _INSTEAD = "serve its bf16 checkpoint (with --quantization fp8 to keep the weights in 8 bits) or an FP8 checkpoint"
 # formats transformers knows that this server does not serve yet, and why
 _NOT_YET = {
-    "awq": "AWQ 4-bit checkpoints are not served yet in AWQ's own format (a compressed-tensors W4A16 conversion is)",
-    "gptq": "GPTQ 4-bit checkpoints are not served yet in GPTQ's own format (a compressed-tensors W4A16 conversion "
-    "is)",
     "mxfp4": "MXFP4 checkpoints (gpt-oss) are not served yet",
     "bitsandbytes": "bitsandbytes checkpoints are not served: their kernels are bitsandbytes' own CUDA code, not "
     "a format other servers load",
@@ -49,14 +48,18 @@ class QuantSpec:
     pre_quantized: bool
     skip: tuple[str, ...] = ()
     bits: int = 8
-    # the layer that holds the weights: "fp8-block" (`Fp8Linear`), "packed-int" (`PackedIntLinear`) or
-    # "fp8-channel" (`Fp8ChannelLinear`)
+    # the layer that holds the weights: "fp8-block" (`Fp8Linear`), "packed-int" (`PackedIntLinear`), "fp8-channel"
+    # (`Fp8ChannelLinear`), "gptq" (`GptqLinear`) or "awq" (`AwqLinear`)
     layer: str = "fp8-block"
     dynamic_activations: bool = False  # activations quantized to FP8 per token in each forward (W8A8)
     per_tensor: bool = False  # "fp8-channel": one weight scale per tensor instead of per output channel
+    zero_offset: int = 0  # "gptq": what its checkpoint format subtracted from each zero point (1 in the original)
 
     def describe(self) -> str:
         source = "checkpoint" if self.pre_quantized else "quantized at load"
+        if self.layer in ("gptq", "awq"):
+            group = f"groups of {self.block[1]}" if self.block else "per-channel scales"
+            return f"{self.layer} int{self.bits} ({group}, {source})"
         if self.layer == "packed-int":
             group = f"groups of {self.block[1]}" if self.block else "per-channel scales"
             return f"compressed-tensors int{self.bits} ({group}, {source})"
@@ -65,6 +68,25 @@ class QuantSpec:
             return f"compressed-tensors fp8 (per-channel scales, {acts}, {source})"
         block = f"{self.block[0]}x{self.block[1]} blocks" if self.block else "per-tensor scales"
         return f"{self.method} ({block}, {source})"
+
+
+def quantized_bytes(layer: str, out: int, inp: int, bits: int, block: tuple[int, int] | None,
+                    nbytes: int) -> int | None:
+    """Bytes a `QuantSpec.layer` kind holds a linear weight [out, inp] in (scales, zero points and indices included;
+    `nbytes`: the compute dtype's size), or None where the weight stays in the compute dtype (an FP8 block layer
+    whose sides do not divide by its block)."""
+    words = -(-inp * bits // 32) * 4  # a row of `inp` codes in int32 words
+    groups = -(-inp // (block[1] if block else inp))
+    if layer == "fp8-block":
+        if out % block[0] or inp % block[1]:
+            return None
+        return out * inp + (out // block[0]) * (inp // block[1]) * 4
+    if layer == "fp8-channel":  # FP8 values, a scale per row in the compute dtype
+        return out * inp + out * nbytes
+    if layer == "packed-int":  # codes, a scale per group (or row) in the compute dtype, the two-element shape
+        return out * words + out * groups * nbytes + 16
+    # GPTQ / AWQ: codes, float16 scales and packed zero points per group; GPTQ's group index of each input
+    return out * words + groups * (out * 2 + -(-out * bits // 32) * 4) + (inp * 4 if layer == "gptq" else 0)
 
 
 def gguf_refusal(path: str | Path) -> str | None:
@@ -101,10 +123,12 @@ def _spec(qcfg: dict[str, Any] | None, load_time: str | None) -> QuantSpec | Non
     if qcfg is None:
         return QuantSpec(load_time, LOAD_TIME_BLOCK, pre_quantized=False) if load_time else None
     method = method_of(qcfg)
-    if load_time is not None and method == "compressed-tensors":
+    if load_time is not None and method in ("compressed-tensors", "gptq", "awq"):
         raise ValueError(f"the target is already quantized with {method}; drop --quantization {load_time}")
     if method == "compressed-tensors":
         return _compressed_tensors_spec(qcfg)
+    if method in ("gptq", "awq"):
+        return _gptq_spec(qcfg) if method == "gptq" else _awq_spec(qcfg)
     if method != "fp8":
         reason = _NOT_YET.get(method, f"quantization method {method!r} is not supported")
         raise ValueError(f"the target is quantized with {method}: {reason}; {_INSTEAD}")
@@ -182,3 +206,38 @@ def _compressed_tensors_spec(qcfg: dict[str, Any]) -> QuantSpec:
     return QuantSpec("compressed-tensors", (1, group_size) if group_size else None, pre_quantized=True,
                      skip=tuple(qcfg.get("ignore") or ()), bits=bits, layer=layer, dynamic_activations=dynamic,
                      per_tensor=layer == "fp8-channel" and bool(detail))
+
+
+def _group(qcfg: dict[str, Any], method: str) -> tuple[int, int] | None:
+    """The (1, group size) of a GPTQ or AWQ config, None for one group per row (-1)."""
+    group = qcfg.get("group_size", 128 if method == "awq" else -1)
+    if not isinstance(group, int) or isinstance(group, bool) or not (group > 0 or group == -1):
+        raise ValueError(f"the target's {method} group_size is {group!r}, not a positive integer or -1")
+    return (1, group) if group > 0 else None
+
+
+def _gptq_spec(qcfg: dict[str, Any]) -> QuantSpec:
+    """A GPTQ config (GPTQModel's or AutoGPTQ's), or ValueError naming what is not served."""
+    bits, fmt = qcfg.get("bits"), str(qcfg.get("checkpoint_format") or qcfg.get("format") or "gptq").lower()
+    why = (f"{bits}-bit weights (4 and 8 are served)" if bits not in (4, 8) else
+           f"checkpoint format {fmt!r} (served: gptq, gptq_v2)" if fmt not in ("gptq", "gptq_v2") else
+           "per-module overrides (dynamic)" if qcfg.get("dynamic") else
+           f"{qcfg['pack_dtype']} packing" if str(qcfg.get("pack_dtype") or "int32").removeprefix("torch.") != "int32"
+           else None)
+    if why:
+        raise ValueError(f"the target is quantized with GPTQ in {why}, not served; {_INSTEAD}")
+    return QuantSpec("gptq", _group(qcfg, "gptq"), pre_quantized=True, bits=int(bits), layer="gptq",
+                     zero_offset=1 if fmt == "gptq" else 0)
+
+
+def _awq_spec(qcfg: dict[str, Any]) -> QuantSpec:
+    """An AWQ config (AutoAWQ's "gemm" version), or ValueError naming what is not served."""
+    bits, version = qcfg.get("bits", qcfg.get("w_bit")), str(qcfg.get("version") or "gemm").lower()
+    why = (f"{bits}-bit weights (4 is served)" if bits != 4 else
+           f"version {version!r} (gemm is served)" if version != "gemm" else
+           "without zero points" if qcfg.get("zero_point") is False else None)
+    if why:
+        raise ValueError(f"the target is quantized with AWQ {why}, not served; {_INSTEAD}")
+    skip = qcfg.get("modules_to_not_convert") or ()
+    return QuantSpec("awq", _group({"group_size": qcfg.get("group_size", qcfg.get("q_group_size", 128))}, "awq"),
+                     pre_quantized=True, skip=tuple(skip), bits=4, layer="awq")

@@ -2,12 +2,12 @@
 
 transformers builds the model (every family's module layout, key renames, buffers) and reads the checkpoint;
 a quantizer it calls while the model is still a skeleton replaces the linear layers the checkpoint holds quantized
-with ours (`Fp8Linear`, `PackedIntLinear`), so the checkpoint's tensors land in them as they are: one byte a weight
-in FP8, half a byte in int4. transformers' extension point is a quantizer registered under a method name
-(`register_quantizer`); ours is "dflash", and the checkpoint's config is handed over with that method name, so
-transformers' own quantizers for the format (its "fp8" one dequantizes the whole model to bf16 on a CPU and needs
-kernels from the hub on CUDA; its compressed-tensors one needs that library) stay untouched for everything else in
-the process.
+with ours (`Fp8Linear`, `PackedIntLinear`, `GptqLinear`, ...), so the checkpoint's tensors land in them as they
+are: one byte a weight in FP8, half a byte in int4. transformers' extension point is a quantizer registered under
+a method name (`register_quantizer`); ours is "dflash", and the checkpoint's config is handed over with that method
+name, so transformers' own quantizers for the format (its "fp8" one dequantizes the whole model to bf16 on a CPU
+and needs kernels from the hub on CUDA; its GPTQ, AWQ and compressed-tensors ones need those libraries) stay
+untouched for everything else in the process.
 
 `--quantization fp8` (a full-precision checkpoint, quantized while it loads): the same quantizer, not
 pre-quantized; transformers' own FP8 quantization op (`Fp8Quantize`) turns each weight into FP8 and its scales as
@@ -36,11 +36,15 @@ from dflash_core.quant.base import QuantizedLinear
 from dflash_core.quant.formats import QuantSpec
 from dflash_core.quant.fp8 import FP8_DTYPE, Fp8Linear
 from dflash_core.quant.fp8_channel import Fp8ChannelLinear
+from dflash_core.quant.gptq_awq import AwqLinear, GptqLinear
 from dflash_core.quant.packed_int import PackedIntLinear
 
 METHOD = "dflash"
+# the layer kinds whose scales cover groups of inputs (`QuantSpec.block` = (1, group size))
+GROUPED = ("packed-int", "gptq", "awq")
 # the tensor each layer kind keeps beside a quantized layer's weight: which modules a checkpoint holds quantized
-MARKERS = {"fp8-block": ".weight_scale_inv", "packed-int": ".weight_packed", "fp8-channel": ".weight_scale"}
+MARKERS = {"fp8-block": ".weight_scale_inv", "packed-int": ".weight_packed", "fp8-channel": ".weight_scale",
+           "gptq": ".qweight", "awq": ".qweight"}
 
 
 class DFlashQuantConfig(FineGrainedFP8Config):
@@ -49,13 +53,14 @@ class DFlashQuantConfig(FineGrainedFP8Config):
 
     def __init__(self, compute_dtype: str = "bfloat16", checkpoint_modules: tuple[str, ...] = (),
                  layer: str = "fp8-block", bits: int = 8, group_size: int | None = None, per_tensor: bool = False,
-                 dynamic_activations: bool = False, **kwargs: Any) -> None:
+                 dynamic_activations: bool = False, zero_offset: int = 0, **kwargs: Any) -> None:
         kwargs["quant_method"] = METHOD
         super().__init__(**kwargs)
         self.compute_dtype = compute_dtype  # a torch dtype's name: the config stays JSON
         self.checkpoint_modules = tuple(checkpoint_modules)  # the modules the checkpoint holds quantized
         self.layer, self.bits, self.group_size = layer, bits, group_size  # `QuantSpec.layer`
         self.per_tensor, self.dynamic_activations = per_tensor, dynamic_activations
+        self.zero_offset = zero_offset  # "gptq"
 
 
 class DFlashQuantizer(HfQuantizer):
@@ -86,6 +91,12 @@ class DFlashQuantizer(HfQuantizer):
         if qc.layer == "packed-int":
             return PackedIntLinear(linear.in_features, linear.out_features, qc.bits, qc.group_size,
                                    linear.bias is not None, dtype, device)
+        if qc.layer == "gptq":
+            return GptqLinear(linear.in_features, linear.out_features, qc.bits, qc.group_size, linear.bias is not None,
+                              dtype, qc.zero_offset, device)
+        if qc.layer == "awq":
+            return AwqLinear(linear.in_features, linear.out_features, qc.bits, qc.group_size, linear.bias is not None,
+                             dtype, device)
         if qc.layer == "fp8-channel":
             return Fp8ChannelLinear(linear.in_features, linear.out_features, qc.per_tensor, qc.dynamic_activations,
                                     linear.bias is not None, dtype, device)
@@ -223,8 +234,8 @@ def load_quantized(auto: Any, folder: Path, config: Any, spec: QuantSpec, dtype:
     block_fp8 = spec.layer == "fp8-block"
     qc = DFlashQuantConfig(compute_dtype=str(dtype).removeprefix("torch."), checkpoint_modules=modules,
                            layer=spec.layer, bits=spec.bits, dynamic_activations=spec.dynamic_activations,
-                           group_size=spec.block[1] if spec.layer == "packed-int" and spec.block else None,
-                           per_tensor=spec.per_tensor,
+                           group_size=spec.block[1] if spec.layer in GROUPED and spec.block else None,
+                           per_tensor=spec.per_tensor, zero_offset=spec.zero_offset,
                            weight_block_size=spec.block if block_fp8 else None,
                            modules_to_not_convert=list(spec.skip) or None)
     if spec.pre_quantized:
@@ -251,8 +262,8 @@ def load_quantized(auto: Any, folder: Path, config: Any, spec: QuantSpec, dtype:
 
 
 def weights_format(model: nn.Module) -> str | None:
-    """How a loaded model's linear weights are held: "fp8", "compressed-tensors int4" (or int8), None in full
-    precision."""
+    """How a loaded model's linear weights are held: "fp8", "compressed-tensors int4" (or int8), "gptq int4",
+    "awq int4", ..., None in full precision."""
     for module in model.modules():
         if isinstance(module, Fp8Linear):
             return "fp8"
@@ -260,4 +271,6 @@ def weights_format(model: nn.Module) -> str | None:
             return f"compressed-tensors int{module.bits}"
         if isinstance(module, Fp8ChannelLinear):
             return "compressed-tensors fp8" + (" (W8A8)" if module.dynamic_activations else "")
+        if isinstance(module, (GptqLinear, AwqLinear)):
+            return f"{'gptq' if isinstance(module, GptqLinear) else 'awq'} int{module.bits}"
     return None

@@ -20,8 +20,9 @@ from torch import nn
 from dflash_core.quant.base import QuantizedLinear
 
 
-def unpack_int32(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
-    """[rows, words] int32 of densely packed `bits`-bit values (offset by 2^(bits-1)) -> [rows, columns] int8."""
+def unpack_uint(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
+    """[rows, words] int32 of densely packed unsigned `bits`-bit codes (code i of a row at bit i * bits, words
+    little-endian) -> [rows, columns] uint8."""
     rows = packed.shape[0]
     if bits == 4:  # a 4-bit value never straddles a byte: split bytes (little-endian words)
         nibbles = packed.contiguous().view(torch.uint8)
@@ -30,7 +31,12 @@ def unpack_int32(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
         values = packed.contiguous().view(torch.uint8).view(rows, -1)
     else:
         raise ValueError(f"{bits}-bit packed weights are not served (4 and 8 are)")
-    return (values[:, :columns].to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
+    return values[:, :columns]
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
+    """[rows, words] int32 of densely packed `bits`-bit values (offset by 2^(bits-1)) -> [rows, columns] int8."""
+    return (unpack_uint(packed, bits, columns).to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
 
 
 def dequantize_groups(values: torch.Tensor, scale: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,104 @@
+"""4- and 8-bit integer linear layers in GPTQ's and AWQ's own checkpoint formats (weight-only, with zero points).
+
+Both keep unsigned integer codes packed in int32 words, a scale and a zero point per group of inputs and output
+channel, and mean the weight `scale * (code - zero)`:
+
+- **GPTQ** (`quant_method: gptq`, as GPTQModel / AutoGPTQ write it): `qweight` [in * bits / 32, out] (codes packed
+  along the inputs: input i of a column at word i * bits // 32, bit (i * bits) % 32), `qzeros` [groups, out * bits / 32]
+  (packed along the outputs), `scales` [groups, out] float16, `g_idx` [in] (each input's group: `i // group_size`, or
+  any order under act-order, `desc_act`). Its original format ("gptq", v1) stores each zero point minus one;
+  "gptq_v2" stores it as it is.
+- **AWQ** (`quant_method: awq`, version "gemm", as AutoAWQ / GPTQModel write it): `qweight` [in, out / 8] and
+  `qzeros` [groups, out / 8], both packed along the outputs in AWQ's interleaved order (the 8 codes of a word are
+  outputs 0, 2, 4, 6, 1, 3, 5, 7 of its eight), `scales` [groups, out] float16; input i is in group i // group_size.
+
+A forward dequantizes the layer's weight with the formats' own arithmetic (the integer difference, times the scale in
+the scale's dtype, then cast to the compute dtype: GPTQModel's reference kernels) and multiplies (`F.linear`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dflash_core.quant.base import QuantizedLinear
+from dflash_core.quant.packed_int import unpack_uint
+
+# AWQ's order of the 8 outputs in a packed word, undone: output k of the 8 is code AWQ_UNDO[k] of the word
+AWQ_UNDO = (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+def _dequantize(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, groups: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+    """`scales[g] * (codes - zeros[g])` for each input's group g = `groups[i]`: codes [in, out] and zeros
+    [groups, out] unsigned, scales [groups, out]; the product in the scale's dtype, returned [out, in] in `dtype`."""
+    diff = codes.to(torch.int16) - zeros.to(torch.int16)[groups]
+    return (scales[groups] * diff.to(scales.dtype)).t().to(dtype)
+
+
+class _ZeroPointLinear(QuantizedLinear):
+    """The parameters GPTQ and AWQ layers share: `qweight`, `qzeros`, `scales` (float16, as the checkpoints hold
+    them), `bias`; `bits`, `group` (inputs per group)."""
+
+    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int | None, bias: bool,
+                 dtype: torch.dtype, qweight_shape: tuple[int, int], device: torch.device | str | None) -> None:
+        super().__init__()
+        if bits not in (4, 8):
+            raise ValueError(f"{bits}-bit weights are not served (4 and 8 are)")
+        self.in_features, self.out_features, self.bits = in_features, out_features, bits
+        self.group = group_size if group_size and group_size > 0 else in_features
+        self.compute_dtype = dtype
+        groups = -(-in_features // self.group)
+        per_word = 32 // bits
+
+        def param(*shape: int, kind: torch.dtype) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=kind, device=device), requires_grad=False)
+
+        self.qweight = param(*qweight_shape, kind=torch.int32)
+        self.qzeros = param(groups, -(-out_features // per_word), kind=torch.int32)
+        self.scales = param(groups, out_features, kind=torch.float16)
+        self.bias = param(out_features, kind=dtype) if bias else None
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}, "
+                f"group={self.group}")
+
+
+class GptqLinear(_ZeroPointLinear):
+    """A GPTQ layer: parameters named as its checkpoints (`qweight`, `qzeros`, `scales`, `g_idx`, `bias`);
+    `zero_offset` 1 for the original format (zeros stored minus one), 0 for "gptq_v2"."""
+
+    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int | None, bias: bool,
+                 dtype: torch.dtype, zero_offset: int, device: torch.device | str | None = None) -> None:
+        words = -(-in_features * bits // 32)
+        super().__init__(in_features, out_features, bits, group_size, bias, dtype, (words, out_features), device)
+        self.zero_offset = zero_offset
+        self.g_idx = nn.Parameter(torch.arange(in_features, device=device, dtype=torch.int32) // self.group,
+                                  requires_grad=False)
+
+    def dequantized(self) -> torch.Tensor:
+        codes = unpack_uint(self.qweight.t(), self.bits, self.in_features).t()  # [in, out]
+        zeros = unpack_uint(self.qzeros, self.bits, self.out_features).to(torch.int16) + self.zero_offset
+        return _dequantize(codes, zeros, self.scales, self.g_idx.long(), self.compute_dtype)
+
+
+class AwqLinear(_ZeroPointLinear):
+    """An AWQ ("gemm") layer: parameters named as its checkpoints (`qweight`, `qzeros`, `scales`, `bias`)."""
+
+    def __init__(self, in_features: int, out_features: int, bits: int, group_size: int | None, bias: bool,
+                 dtype: torch.dtype, device: torch.device | str | None = None) -> None:
+        if bits != 4 or out_features % 8:
+            raise ValueError(f"AWQ layers of {bits}-bit weights and {out_features} outputs are not served (4-bit, "
+                             "outputs a multiple of 8)")
+        super().__init__(in_features, out_features, bits, group_size, bias, dtype, (in_features, out_features // 8),
+                         device)
+
+    def _unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """[rows, out / 8] words -> [rows, out] codes in the outputs' order (AWQ's interleave undone)."""
+        codes = unpack_uint(packed, self.bits, self.out_features)
+        return codes.view(codes.shape[0], -1, 8)[:, :, list(AWQ_UNDO)].reshape(codes.shape)
+
+    def dequantized(self) -> torch.Tensor:
+        groups = torch.arange(self.in_features, device=self.qweight.device) // self.group
+        return _dequantize(self._unpack(self.qweight), self._unpack(self.qzeros), self.scales, groups,
+                           self.compute_dtype)
