@@ -351,9 +351,10 @@ def test_memory_estimate_of_hybrid_and_moe_presets(tmp_path: Path, capsys: pytes
         gemma = bench.memory_from_preset(REPO / "configs" / preset)  # the published 30.7 B and 25.2 B
         assert round(gemma["target_params"] / 1e9, 2) == params and gemma["target_kv_bytes_per_token"] == kv
         assert gemma["backend"] == "generic" and gemma["cards"]["H200 141 GB"]["fits"]
-    big = bench.memory_from_preset(REPO / "configs" / "gpt-oss-120b.yaml")  # bfloat16: more than one H200 holds
-    assert round(big["target_params"] / 1e9, 1) == 116.8 and not big["cards"]["H200 141 GB"]["fits"]
-    assert big["cards"]["H200 141 GB"]["why"] == "weights"
+    big = bench.memory_from_preset(REPO / "configs" / "gpt-oss-120b.yaml")  # MXFP4 experts: one 80 GB card
+    assert round(big["target_params"] / 1e9, 1) == 116.8 and big["cards"]["80 GB"]["fits"]
+    assert big["quantization"] == "mxfp4" and round(big["weights_bytes"] / 1e9, 1) == 65.9
+    assert not big["cards"]["48 GB"]["fits"] and big["cards"]["48 GB"]["why"] == "weights"
     presets = [str(REPO / "configs" / n) for n in ("qwen3.5-9b.yaml", "qwen3.5-27b.yaml", "qwen3.6-27b.yaml",
                                                    "gpt-oss-20b.yaml")]
     assert bench.main(["memory", *presets]) == 0

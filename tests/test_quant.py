@@ -296,7 +296,7 @@ def _with_config(src: Path, dst: Path, **changes) -> Path:
          ("status 'frozen'",)),
         ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {
             "type": "int", "num_bits": 4, "strategy": "group", "group_size": None}}}}, ("without a group size",)),
-        ({"quant_method": "mxfp4"}, ("mxfp4", "gpt-oss")),
+        ({"quant_method": "mxfp4"}, ("mxfp4", "no blocks tensors")),
         ({"quant_method": "exotic"}, ("'exotic' is not supported",)),
         ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}, ("ue8m0",)),
         ({"quant_method": "fp8", "weight_block_size": [128, 0]}, ("weight_block_size is [128, 0]",)),

@@ -78,12 +78,14 @@ _DRAFT = dict(num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8
 # Qwen/Qwen3.6-27B: not read from its config.json; taken to be Qwen3.5-27B's shape (the same qwen3_5 classes and
 # layer layout, per third-party notes). openai/gpt-oss-20b: its config.json (24 layers x 2880, 64 / 8 heads x 64,
 # 32 experts x 2880, top 4, vocabulary 201088, untied), 20.91 B parameters as transformers counts them (the hub
-# stores the experts in MXFP4; dtype bfloat16 holds them dequantized). openai/gpt-oss-120b: its config.json as
+# stores the experts in MXFP4, and they load so: `_MXFP4`). openai/gpt-oss-120b: its config.json as
 # published (36 layers x 2880, 64 / 8 heads x 64, 128 experts x 2880, top 4, the same vocabulary and attention
 # pattern), about 117 B parameters as transformers counts them. Their drafts are assumed (`_DRAFT`, not
 # read from the hub): 5 Qwen3-style layers of 32 heads x 128 at the target's width and MLP width, target layer ids
 # by z-lab's rule (Qwen3.5-9B-DFlash's [1, 8, 15, 22, 29] and its 32 heads are also on a third-party card); the
 # hub lists z-lab's Qwen3.5-9B-DFlash at 1 B and Qwen3.6-27B-DFlash at 2 B parameters, as these shapes give.
+# gpt-oss's checkpoints as the hub holds them: the experts in MXFP4 (`quant/mxfp4.py`), the rest in bfloat16
+_MXFP4 = dict(quantization="mxfp4", quantization_layer="mxfp4-experts", quantization_bits=4)
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
     "Qwen/Qwen3-8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                           num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
@@ -115,12 +117,12 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
                                num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
                                tie_word_embeddings=False, max_position_embeddings=131072, attention_bias=True,
                                num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
-                               layer_types=["sliding_attention", "full_attention"] * 12),
+                               layer_types=["sliding_attention", "full_attention"] * 12, **_MXFP4),
     "openai/gpt-oss-120b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
                                 num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
                                 tie_word_embeddings=False, max_position_embeddings=131072, attention_bias=True,
                                 num_local_experts=128, num_experts_per_tok=4, sliding_window=128,
-                                layer_types=["sliding_attention", "full_attention"] * 18),
+                                layer_types=["sliding_attention", "full_attention"] * 18, **_MXFP4),
     "z-lab/gpt-oss-120b-DFlash": dict(_DRAFT, hidden_size=2880, intermediate_size=2880,
                                       target_layer_ids=[1, 9, 17, 25, 33]),
     "google/gemma-4-31B-it": dict(_GEMMA4, hidden_size=5376, intermediate_size=21504, num_hidden_layers=60,
@@ -245,6 +247,12 @@ def _layer_params(m: dict[str, Any], index: int = 0, kind: str = "full_attention
     return mixer + _mlp_params(m) + 2 * int(m["hidden_size"])
 
 
+def _experts(m: dict[str, Any]) -> list[tuple[int, int]]:
+    """A layer's MoE expert weights [out, in] (gate and up fused, then down, for each expert)."""
+    h, width = int(m["hidden_size"]), int(m.get("moe_intermediate_size") or m["intermediate_size"])
+    return [(2 * width, h), (h, width)] * int(m.get("num_experts") or m.get("num_local_experts") or 0)
+
+
 def _quantizable(m: dict[str, Any], index: int, kind: str) -> list[tuple[int, int]]:
     """Layer `index`'s linear weights [out, in] that FP8 holds (`dflash_core/quant/`): the attention or Gated
     DeltaNet projections and a dense MLP's (or a shared expert's); experts, norms, biases, the embeddings and the
@@ -273,7 +281,7 @@ def target_weight_bytes(m: dict[str, Any], nbytes: int, quantization: str | None
     block = m.get("quantization_block") or (LOAD_TIME_BLOCK if layer == "fp8-block" else None)
     bits = int(m.get("quantization_bits") or 8)
     for i, kind in enumerate(layer_types(m)):
-        for out, inp in _quantizable(m, i, kind):
+        for out, inp in _experts(m) if layer == "mxfp4-experts" else _quantizable(m, i, kind):
             size = quantized_bytes(layer, out, inp, bits, block, nbytes)
             total += 0 if size is None else size - out * inp * nbytes
     return total
@@ -455,6 +463,8 @@ def _cell(card: dict[str, Any], length: int, cap: int, backend: str) -> str:
 
 
 def _weights_note(row: dict[str, Any]) -> str:
+    if row.get("quantization") == "mxfp4":
+        return ", target MoE experts in MXFP4"
     if row.get("quantization") in ("compressed-tensors", "gptq", "awq"):
         kind = "FP8" if row.get("quantization_layer") == "fp8-channel" else f"int{row['quantization_bits']}"
         fmt = "compressed-tensors" if row["quantization"] == "compressed-tensors" else row["quantization"].upper()

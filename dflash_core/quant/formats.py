@@ -9,6 +9,8 @@ A checkpoint says how it is quantized in its config's `quantization_config` (tra
   (`quant/packed_int.py`); and in its `float-quantized` format: FP8 weights with a scale per channel (or tensor),
   weight-only or with activations quantized to FP8 per token in each forward (FP8-dynamic, W8A8)
   (`quant/fp8_channel.py`).
+- `mxfp4`: gpt-oss's MoE experts in MXFP4 (FP4 e2m1 codes, a power-of-two scale per 32 inputs), as OpenAI's
+  checkpoints ship them (`quant/mxfp4.py`).
 - `gptq` (GPTQModel / AutoGPTQ, original or v2 format) and `awq` (AutoAWQ's "gemm" version): 4-bit (GPTQ: or
   8-bit) integer codes with a scale and a zero point per group of inputs, act-order included (`quant/gptq_awq.py`).
 
@@ -30,7 +32,6 @@ LOAD_TIME_BLOCK = (128, 128)
 _INSTEAD = "serve its bf16 checkpoint (with --quantization fp8 to keep the weights in 8 bits) or an FP8 checkpoint"
 # formats transformers knows that this server does not serve yet, and why
 _NOT_YET = {
-    "mxfp4": "MXFP4 checkpoints (gpt-oss) are not served yet",
     "bitsandbytes": "bitsandbytes checkpoints are not served: their kernels are bitsandbytes' own CUDA code, not "
     "a format other servers load",
     "gguf": "GGUF is llama.cpp's format",
@@ -49,7 +50,7 @@ class QuantSpec:
     skip: tuple[str, ...] = ()
     bits: int = 8
     # the layer that holds the weights: "fp8-block" (`Fp8Linear`), "packed-int" (`PackedIntLinear`), "fp8-channel"
-    # (`Fp8ChannelLinear`), "gptq" (`GptqLinear`) or "awq" (`AwqLinear`)
+    # (`Fp8ChannelLinear`), "gptq" (`GptqLinear`), "awq" (`AwqLinear`) or "mxfp4-experts" (`Mxfp4Experts`)
     layer: str = "fp8-block"
     dynamic_activations: bool = False  # activations quantized to FP8 per token in each forward (W8A8)
     per_tensor: bool = False  # "fp8-channel": one weight scale per tensor instead of per output channel
@@ -57,6 +58,8 @@ class QuantSpec:
 
     def describe(self) -> str:
         source = "checkpoint" if self.pre_quantized else "quantized at load"
+        if self.layer == "mxfp4-experts":
+            return f"mxfp4 (MoE experts, {source})"
         if self.layer in ("gptq", "awq"):
             group = f"groups of {self.block[1]}" if self.block else "per-channel scales"
             return f"{self.layer} int{self.bits} ({group}, {source})"
@@ -81,6 +84,8 @@ def quantized_bytes(layer: str, out: int, inp: int, bits: int, block: tuple[int,
         if out % block[0] or inp % block[1]:
             return None
         return out * inp + (out // block[0]) * (inp // block[1]) * 4
+    if layer == "mxfp4-experts":  # two FP4 codes a byte, a one-byte scale per 32 inputs
+        return out * inp // 2 + out * (inp // 32)
     if layer == "fp8-channel":  # FP8 values, a scale per row in the compute dtype
         return out * inp + out * nbytes
     if layer == "packed-int":  # codes, a scale per group (or row) in the compute dtype, the two-element shape
@@ -123,12 +128,15 @@ def _spec(qcfg: dict[str, Any] | None, load_time: str | None) -> QuantSpec | Non
     if qcfg is None:
         return QuantSpec(load_time, LOAD_TIME_BLOCK, pre_quantized=False) if load_time else None
     method = method_of(qcfg)
-    if load_time is not None and method in ("compressed-tensors", "gptq", "awq"):
+    if load_time is not None and method in ("compressed-tensors", "gptq", "awq", "mxfp4"):
         raise ValueError(f"the target is already quantized with {method}; drop --quantization {load_time}")
     if method == "compressed-tensors":
         return _compressed_tensors_spec(qcfg)
     if method in ("gptq", "awq"):
         return _gptq_spec(qcfg) if method == "gptq" else _awq_spec(qcfg)
+    if method == "mxfp4":  # gpt-oss: only its experts are quantized (the loader checks that they are gpt-oss's)
+        return QuantSpec("mxfp4", None, pre_quantized=True, skip=tuple(qcfg.get("modules_to_not_convert") or ()),
+                         bits=4, layer="mxfp4-experts")
     if method != "fp8":
         reason = _NOT_YET.get(method, f"quantization method {method!r} is not supported")
         raise ValueError(f"the target is quantized with {method}: {reason}; {_INSTEAD}")

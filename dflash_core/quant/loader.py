@@ -37,6 +37,7 @@ from dflash_core.quant.formats import QuantSpec
 from dflash_core.quant.fp8 import FP8_DTYPE, Fp8Linear
 from dflash_core.quant.fp8_channel import Fp8ChannelLinear
 from dflash_core.quant.gptq_awq import AwqLinear, GptqLinear
+from dflash_core.quant.mxfp4 import Mxfp4Experts
 from dflash_core.quant.packed_int import PackedIntLinear
 
 METHOD = "dflash"
@@ -44,7 +45,7 @@ METHOD = "dflash"
 GROUPED = ("packed-int", "gptq", "awq")
 # the tensor each layer kind keeps beside a quantized layer's weight: which modules a checkpoint holds quantized
 MARKERS = {"fp8-block": ".weight_scale_inv", "packed-int": ".weight_packed", "fp8-channel": ".weight_scale",
-           "gptq": ".qweight", "awq": ".qweight"}
+           "gptq": ".qweight", "awq": ".qweight", "mxfp4-experts": "_blocks"}
 
 
 class DFlashQuantConfig(FineGrainedFP8Config):
@@ -115,16 +116,10 @@ class DFlashQuantizer(HfQuantizer):
         own key renames (transformers' conversion mapping: Qwen3.5's `model.language_model.` prefix and the like).
         A name that lands on a parameter of the model (fused MoE experts) is refused; one that lands nowhere (an
         MTP head, a vision tower the text model does not load) is skipped, as transformers skips its tensors."""
-        from transformers.conversion_mapping import get_model_conversion_mapping
-
-        renamings = get_model_conversion_mapping(model)
         modules, params = dict(model.named_modules()), dict(model.named_parameters())
         found, refused = set(), []
-        for original in self.quantization_config.checkpoint_modules:
-            key = f"{original}.weight"
-            for rename in renamings:
-                key, _ = rename.rename_source_key(key)
-            name = key.removesuffix(".weight")
+        for original, key in _model_keys(model, self.quantization_config.checkpoint_modules).items():
+            name = key.removesuffix(".weight")  # (a fused MoE parameter has no suffix: it lands in `params`)
             if isinstance(modules.get(name), nn.Linear):
                 found.add(name)
             elif name in modules or key in params:
@@ -136,8 +131,27 @@ class DFlashQuantizer(HfQuantizer):
                 "the bf16 checkpoint (with --quantization fp8)")
         return found
 
+    def _swap_experts(self, model: nn.Module) -> None:
+        """gpt-oss's experts replaced by MXFP4 ones where the checkpoint holds them so (every one of them)."""
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+        keys = _model_keys(model, self.quantization_config.checkpoint_modules).values()
+        held = {key.removesuffix(".weight") for key in keys}
+        dtype = getattr(torch, self.quantization_config.compute_dtype)
+        for name, module in list(model.named_modules()):
+            if isinstance(module, GptOssExperts) and held & {f"{name}.gate_up_proj", f"{name}.down_proj"}:
+                parent, _, child = name.rpartition(".")
+                device = module.gate_up_proj.device
+                setattr(model.get_submodule(parent), child, Mxfp4Experts(model.config, dtype, device))
+                held -= {f"{name}.gate_up_proj", f"{name}.down_proj"}
+        if held:
+            raise ValueError(f"the checkpoint holds MXFP4 tensors for {len(held)} weight(s) that are not gpt-oss's "
+                             f"MoE experts (first: {sorted(held)[0]}); only gpt-oss's experts are served in MXFP4")
+
     def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> None:
         qc = self.quantization_config
+        if qc.layer == "mxfp4-experts":
+            return self._swap_experts(model)
         quantized = self._quantized_modules(model) if self.pre_quantized else set()
         # the output head stays in full precision whatever the skip list says: the draft multiplies by it
         skip = list(qc.modules_to_not_convert or []) + get_keys_to_not_convert(model)
@@ -165,7 +179,7 @@ class DFlashQuantizer(HfQuantizer):
         for module in model.modules():
             if isinstance(module, (Fp8Linear, Fp8ChannelLinear)) and module.weight.dtype != FP8_DTYPE:
                 raise RuntimeError(f"transformers loaded {module.weight.dtype} weights into an FP8 layer")
-            if isinstance(module, QuantizedLinear):
+            if isinstance(module, (QuantizedLinear, Mxfp4Experts)):
                 module.requires_grad_(False)  # served, never trained (the loader hands back trainable parameters)
         return model
 
@@ -175,6 +189,21 @@ class DFlashQuantizer(HfQuantizer):
     @property
     def is_trainable(self) -> bool:
         return False
+
+
+def _model_keys(model: nn.Module, checkpoint_modules: tuple[str, ...]) -> dict[str, str]:
+    """Each checkpoint module name -> the model's key for its weight, through the model's own key renames
+    (transformers' conversion mapping: Qwen3.5's `model.language_model.` prefix, per-expert weights into fused ones,
+    and the like)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    renamings, keys = get_model_conversion_mapping(model), {}
+    for original in checkpoint_modules:
+        key = f"{original}.weight"
+        for rename in renamings:
+            key, _ = rename.rename_source_key(key)
+        keys[original] = key
+    return keys
 
 
 def _register() -> None:
@@ -253,7 +282,7 @@ def load_quantized(auto: Any, folder: Path, config: Any, spec: QuantSpec, dtype:
                          f"describes ({reason}); check its block or group size and bits") from None
     head = model.get_output_embeddings()  # tied to the embeddings in some checkpoints: not a tensor of its own
     linear = {name for name, m in model.named_modules()
-              if isinstance(m, (QuantizedLinear, nn.Linear)) and m is not head}
+              if isinstance(m, (QuantizedLinear, nn.Linear, Mxfp4Experts)) and m is not head}
     missing = [k for k in info.get("missing_keys", ()) if k.rpartition(".")[0] in linear]
     if missing:  # a layer left with uninitialized tensors (a quantized layer's, or one whose weight was never there)
         raise ValueError(f"the quantized checkpoint lacks {len(missing)} tensor(s) of its linear layers (first: "
@@ -271,6 +300,8 @@ def weights_format(model: nn.Module) -> str | None:
             return f"compressed-tensors int{module.bits}"
         if isinstance(module, Fp8ChannelLinear):
             return "compressed-tensors fp8" + (" (W8A8)" if module.dynamic_activations else "")
+        if isinstance(module, Mxfp4Experts):
+            return "mxfp4 (MoE experts)"
         if isinstance(module, (GptqLinear, AwqLinear)):
             return f"{'gptq' if isinstance(module, GptqLinear) else 'awq'} int{module.bits}"
     return None
