@@ -2,10 +2,11 @@
 # The interpreter tests/test_quant_gptq_awq.py runs GPTQModel in (tests/gptq_awq_reference.py writes the GPTQ and
 # AWQ checkpoints and runs transformers' reference forward of them): a venv holding GPTQModel and optimum only,
 # borrowing torch, transformers and the rest from the interpreter given (a .pth file), so the tests' reference runs
-# on the same torch and transformers as the code under test. GPTQModel stays out of the project's own environment:
+# on the same torch and transformers as the code under test (GPTQModel and pypcre build from source: gcc, which
+# .ci/run installs). GPTQModel stays out of the project's own environment:
 # it pulls torchao, which transformers then imports in every process that loads a model (seconds and warnings at
 # each server start), and it pins numpy. Built once and cached under $DFLASH_CI_CACHE (~/.cache/dflash-ci), keyed by
-# the interpreter, its torch and transformers and the pins; cold ~1-2 min of installs, cached: instant.
+# the Python, torch and transformers versions and the pins; cold ~1-2 min of installs, cached: instant.
 # Usage: .ci/gptq_reference_venv.sh [python]; prints the venv's python on its last line.
 set -euo pipefail
 
@@ -16,7 +17,9 @@ CACHE=${DFLASH_CI_CACHE:-$HOME/.cache/dflash-ci}
 PINS=("gptqmodel==7.6.0" "optimum>=2.0,<3")
 
 site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-key=$( { "$PY" --version; echo "$site"; echo "${PINS[*]}";
+# keyed by versions, not by the interpreter's path: clones of the repo share one venv, each pointing it at its own
+# packages (the .pth, rewritten each call) with the same torch and transformers
+key=$( { "$PY" --version; echo "${PINS[*]}";
          "$PY" -c 'import torch, transformers; print(torch.__version__, transformers.__version__)'; } |
        sha256sum | cut -c1-16)
 venv=$CACHE/gptq-ref-$key
@@ -24,12 +27,12 @@ if [ ! -f "$venv/.complete" ]; then
   rm -rf "$venv"
   mkdir -p "$CACHE"
   "$PY" -m venv "$venv"
-  own=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  echo "$site" >"$own/borrowed.pth"  # after the venv's own packages: GPTQModel's numpy pin wins in this venv only
+fi
+own=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "$site" >"$own/borrowed.pth"  # after the venv's own packages: GPTQModel's numpy pin wins in this venv only
+if [ ! -f "$venv/.complete" ]; then
   "$venv/bin/python" -m pip install -q --disable-pip-version-check "${PINS[@]}" >&2
   "$venv/bin/python" -c 'import gptqmodel, optimum.gptq' >/dev/null 2>&1
   touch "$venv/.complete"
-  # older cached venvs of this kind (other interpreters or pins) go
-  find "$CACHE" -maxdepth 1 -name 'gptq-ref-*' ! -path "$venv" -exec rm -rf {} +
 fi
 echo "$venv/bin/python"

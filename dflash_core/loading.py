@@ -40,7 +40,7 @@ from dflash_core.memory import (
     ram_cache_budget,
     verify_logits_bytes,
 )
-from dflash_core.quant import gguf_refusal, quant_spec
+from dflash_core.quant import checkpoint_quant_config, gguf_refusal, quant_spec
 from dflash_core.quant.loader import weights_format
 from dflash_core.runners.base import TargetRunner
 from dflash_core.runners.drafter import DFlashDrafter
@@ -161,7 +161,7 @@ def load_target(
     # the quantization as the checkpoint's config.json states it (before transformers reads it: a malformed one
     # fails there with a traceback)
     raw = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
-    spec = quant_spec(raw.get("quantization_config"), quantization)
+    spec = quant_spec(checkpoint_quant_config(folder, raw), quantization)
     config = AutoConfig.from_pretrained(str(folder))
     auto = AutoModelForCausalLM if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else AutoModelForImageTextToText
     if spec is None:
@@ -176,11 +176,13 @@ def load_target(
         from dflash_core.quant.base import choose_kernel
         from dflash_core.quant.fp8_channel import RowWiseFp8Kernel
         from dflash_core.quant.fp8_kernels import BlockFp8Kernel
+        from dflash_core.quant.int8_channel import Int8Kernel
 
         if not spec.pre_quantized and weights_format(model) is None:
             log.warning("--quantization %s: no linear layer's sides divide by its %dx%d blocks; the weights stay in "
                         "full precision", spec.method, *spec.block)
-        for kernel in (BlockFp8Kernel(), RowWiseFp8Kernel()):  # FP8 GEMMs where the device runs them correctly
+        # FP8 and int8 GEMMs where the device runs them correctly
+        for kernel in (BlockFp8Kernel(), RowWiseFp8Kernel(), Int8Kernel()):
             choose_kernel(model, device, kernel)
     return model
 

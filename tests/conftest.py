@@ -45,7 +45,7 @@ SLOW_FILES = {
     "test_backends_matrix.py": "every family x backend x block size (test_engine.py keeps three families fast)",
     "test_adapt.py": "a server adapting its draft: dflash-train in a child process, two drafts measured",
     "test_draft_swap_server.py": "a gated server process whose draft is swapped under load",
-    "test_quant_gptq_awq.py": "GPTQModel (the test extra) writes the checkpoints and runs transformers' reference",
+    "test_quant_gptq_awq.py": "GPTQModel (a cached side venv) writes the checkpoints and runs transformers' reference",
 }
 SLOW_TESTS = {
     "test_sampling_reference.py::test_accepted_tokens_follow_the_exact_target_law": "scipy's chi-square test",

@@ -23,9 +23,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 
-def quantize(weight: torch.Tensor, bits: int, group: int, sym: bool, act_order: bool, seed: int):
+def quantize(weight: torch.Tensor, bits: int, group: int, sym: bool, act_order: bool, seed: int,
+             zero_rows: bool = False):
     """(scales, zeros, g_idx) of `weight` [out, in] by min-max rounding per group: scales [out, groups] (float16
-    values), zeros [out, groups] (codes), g_idx [in] (each input's group; permuted under act-order)."""
+    values), zeros [out, groups] (codes), g_idx [in] (each input's group; permuted under act-order). `zero_rows`:
+    every fifth row's zero points are 0 (its negative weights clip), which GPTQ's original format stores as -1."""
     out, inputs = weight.shape
     group = group if group > 0 else inputs
     g_idx = torch.arange(inputs) // group
@@ -41,6 +43,8 @@ def quantize(weight: torch.Tensor, bits: int, group: int, sym: bool, act_order: 
         if sym:
             s, z = (torch.maximum(-lo, hi) / (top // 2)).clamp(min=1e-6), torch.full((out,), float((top + 1) // 2))
         else:
+            if zero_rows:
+                lo[::5] = 0
             s = ((hi - lo) / top).clamp(min=1e-6)
             z = torch.round(-lo / s.half().float()).clamp(0, top)
         scales[:, g], zeros[:, g] = s.half().float(), z
@@ -61,10 +65,11 @@ def write(src: Path, dst: Path, spec: dict) -> None:
         if not isinstance(module, nn.Linear) or module is head or ".layers." not in f".{name}":
             continue
         key = f"{name}.weight"  # the tiny targets' checkpoints use the model's own names
-        scales, zeros, g_idx = quantize(module.weight.detach(), bits, group, sym=not awq,
-                                        act_order=spec.get("act_order", False), seed=i)
+        sym = not awq and spec.get("sym", True)
+        scales, zeros, g_idx = quantize(module.weight.detach(), bits, group, sym=sym,
+                                        act_order=spec.get("act_order", False), seed=i, zero_rows=not awq)
         kind = AwqTorchLinear if awq else TorchLinear
-        layer = kind(bits=bits, group_size=group, sym=not awq, desc_act=spec.get("act_order", False),
+        layer = kind(bits=bits, group_size=group, sym=sym, desc_act=spec.get("act_order", False),
                      in_features=module.in_features, out_features=module.out_features, bias=module.bias is not None)
         layer.pack(module, scales, zeros, None if awq else g_idx)
         if not awq and spec.get("checkpoint_format", "gptq") == "gptq":  # GPTQ's original format: zeros minus one
@@ -83,7 +88,7 @@ def write(src: Path, dst: Path, spec: dict) -> None:
     if awq:
         qc = {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True, "version": "gemm"}
     else:
-        qc = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": True,
+        qc = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": spec.get("sym", True),
               "desc_act": spec.get("act_order", False), "checkpoint_format": spec.get("checkpoint_format", "gptq")}
     config["quantization_config"] = qc
     (dst / "config.json").write_text(json.dumps(config))
@@ -100,7 +105,7 @@ def reference(folder: Path, spec: dict, prompts: list[list[int]], new_tokens: in
         config = AwqConfig(bits=qc["bits"], group_size=qc["group_size"], version="gemm", backend="torch_awq")
     else:
         config = GPTQConfig(bits=qc["bits"], group_size=qc["group_size"], desc_act=qc["desc_act"], backend="torch",
-                            checkpoint_format=qc["checkpoint_format"])
+                            checkpoint_format=qc["checkpoint_format"], sym=qc["sym"])
     dtype = getattr(torch, spec["dtype"])
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, quantization_config=config).eval()
     weights = {}

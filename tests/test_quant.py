@@ -297,6 +297,8 @@ def _with_config(src: Path, dst: Path, **changes) -> Path:
         ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {
             "type": "int", "num_bits": 4, "strategy": "group", "group_size": None}}}}, ("without a group size",)),
         ({"quant_method": "mxfp4"}, ("mxfp4", "no blocks tensors")),
+        ({"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"g": {"weights": {
+            "type": "int", "num_bits": 8, "strategy": "group", "group_size": 16}}}}, ("int8 weights with strategy",)),
         ({"quant_method": "exotic"}, ("'exotic' is not supported",)),
         ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}, ("ue8m0",)),
         ({"quant_method": "fp8", "weight_block_size": [128, 0]}, ("weight_block_size is [128, 0]",)),
@@ -305,8 +307,8 @@ def _with_config(src: Path, dst: Path, **changes) -> Path:
         ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": "int4"}}}, ("malformed",)),
     ],
     ids=["bnb4", "bnb8", "awq", "gptq", "ct-fp8-block", "ct-asymmetric", "ct-w8a8", "ct-actorder", "ct-actorder-true",
-         "ct-frozen", "ct-no-group-size", "mxfp4", "exotic", "fp8-ue8m0", "fp8-block-0", "ct-groups-list",
-         "ct-weights-str"],
+         "ct-frozen", "ct-no-group-size", "mxfp4", "ct-int8-group", "exotic", "fp8-ue8m0", "fp8-block-0",
+         "ct-groups-list", "ct-weights-str"],
 )
 def test_formats_not_served_are_refused_in_one_line(fp8_pair, tmp_path, qcfg, words):
     folder = _with_config(fp8_pair[0], tmp_path / "t", quantization_config=qcfg)
@@ -481,7 +483,8 @@ def write_compressed_checkpoint(src: Path, dst: Path, bits: int, group_size: int
     """`src` in compressed-tensors' format, by compressed-tensors itself: its scheme applied to every linear layer but
     the head, min-max scales from its own `calculate_qparams`, compressed by its compressor: `kind` "int" packs
     symmetric `bits`-bit integers per group (or per channel) (pack-quantized); "float" writes FP8 weights per channel
-    (float-quantized), with `dynamic_activations` FP8 per token in each forward (FP8-dynamic, W8A8)."""
+    (float-quantized), with `dynamic_activations` FP8 per token in each forward (FP8-dynamic, W8A8); "int8" writes
+    int8 weights per channel (int-quantized), with `dynamic_activations` int8 per token (W8A8 INT8)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -493,9 +496,10 @@ def write_compressed_checkpoint(src: Path, dst: Path, bits: int, group_size: int
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
-    args = QuantizationArgs(num_bits=bits, type=kind, symmetric=True, strategy="group" if group_size else "channel",
+    qtype = "float" if kind == "float" else "int"
+    args = QuantizationArgs(num_bits=bits, type=qtype, symmetric=True, strategy="group" if group_size else "channel",
                             group_size=group_size)
-    acts = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True) if (
+    acts = QuantizationArgs(num_bits=8, type=qtype, symmetric=True, strategy="token", dynamic=True) if (
         dynamic_activations) else None
     scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=acts)
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
@@ -505,7 +509,7 @@ def write_compressed_checkpoint(src: Path, dst: Path, bits: int, group_size: int
             groups = w.view(w.shape[0], -1, group_size or w.shape[1])
             scale, _ = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
             module.weight_scale.data = scale.to(module.weight_scale.dtype).view_as(module.weight_scale)
-    fmt = "pack-quantized" if kind == "int" else "float-quantized"
+    fmt = {"int": "pack-quantized", "float": "float-quantized", "int8": "int-quantized"}[kind]
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
     model.save_pretrained(str(dst))
@@ -610,6 +614,87 @@ def test_compressed_tensors_fp8_greedy_equals_transformers_forward(root, arch, b
     layers = [m for m in models.engine.target.model.modules() if isinstance(m, Fp8ChannelLinear)]
     assert layers and all(m.weight.dtype == FP8_DTYPE and m.dynamic_activations == dynamic for m in layers)
     assert greedy(models.engine) == refs
+
+
+@functools.cache
+def int8_family(arch: str, dynamic_activations: bool, root: Path) -> tuple[Path, Path, dict]:
+    """(compressed-tensors INT8 target, draft, transformers' greedy references) for the tiny pair of `arch`."""
+    tmp = root / f"{arch}-int8-channel-{dynamic_activations}"
+    target, draft = make_tiny_pair(tmp, arch=arch)
+    int8 = write_compressed_checkpoint(target, tmp / "target-int8", 8, None, "int8", dynamic_activations)
+    refs = transformers_reference(int8)
+    assert refs != transformers_reference(target)
+    return int8, draft, refs
+
+
+def test_int8_token_quantization_is_compressed_tensors_own():
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    from dflash_core.quant.int8_channel import fake_quantize_int8_tokens
+
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(2, 5, 96) * torch.logspace(-2, 1, 96)).to(dtype)
+        x[0, 1] = 0  # a token of zeros
+        scale, zero = compute_dynamic_scales_and_zp(x, args, torch.nn.Module())
+        assert torch.equal(fake_quantize_int8_tokens(x), fake_quantize(x, scale, zero, args))
+
+
+@pytest.mark.parametrize("speculative", [True, False], ids=["dflash", "plain"])
+@pytest.mark.parametrize("arch,backend,dynamic", [("qwen3", "native", True), ("qwen3", "generic", True),
+                                                  ("qwen3", "native", False), ("qwen3_5", "native", False)],
+                         ids=["w8a8-native", "w8a8-generic", "w8a16-native", "w8a16-hybrid"])
+def test_compressed_tensors_int8_greedy_equals_transformers_forward(root, arch, backend, dynamic, speculative):
+    """INT8 weights per channel (int-quantized), weight-only or W8A8 (inputs quantized to int8 per token in each
+    forward), written by compressed-tensors: greedy output equal to transformers' forward of the checkpoint. (The
+    tiny hybrid in W8A8 has a near-tie, logits 2e-4 apart, at its second token: per-token int8 inputs turn the last
+    bits of a sum into a different code there, as FP8-dynamic's do (docs/serving.md); its weight-only form runs.)"""
+    from dflash_core.quant.int8_channel import Int8ChannelLinear
+
+    int8, draft, refs = int8_family(arch, dynamic, root)
+    models = load_models(EngineConfig(str(int8), str(draft), backend=backend, speculative=speculative,
+                                      speculation="fixed", device="cpu"))
+    layers = [m for m in models.engine.target.model.modules() if isinstance(m, Int8ChannelLinear)]
+    assert layers and all(m.weight.dtype == torch.int8 and m.dynamic_activations == dynamic for m in layers)
+    assert models.quantization == "compressed-tensors int8" + (" (W8A8)" if dynamic else "")
+    assert greedy(models.engine) == refs
+
+
+def test_int8_kernel_agrees_and_keeps_speculation_exact(root, monkeypatch):
+    """torch's int8 GEMM (`_int_mm`, which runs on this CPU too) multiplies W8A8 layers once the device check passes:
+    it agrees with the fake-quantized product (padding one row to the 17 CUDA's kernel takes), and DFlash output
+    equals plain decoding's with the same kernel. On a CPU by default the layers keep the kernel-free forward."""
+    from dflash_core.quant.base import choose_kernel
+    from dflash_core.quant.int8_channel import Int8ChannelLinear, Int8Kernel
+
+    int8, draft, _ = int8_family("qwen3", True, root)
+    model = load_target(int8, CPU, torch.float32)
+    assert not choose_kernel(model, CPU, Int8Kernel()).used
+    monkeypatch.setattr(Int8Kernel, "unavailable", lambda self, device: None)
+    choice = choose_kernel(model, CPU, Int8Kernel())
+    assert choice.used and choice.layers == 4 * 7 and choice.error < 1e-5  # float32: exact sums, rounded once
+    assert choose_kernel(load_target(int8, CPU, torch.bfloat16), CPU, Int8Kernel()).used
+    outs = []
+    for speculative in (True, False):
+        models = load_models(EngineConfig(str(int8), str(draft), speculative=speculative, speculation="fixed",
+                                          device="cpu"))
+        target = models.engine.target.model
+        assert all(m.kernel is not None for m in target.modules() if isinstance(m, Int8ChannelLinear))
+        outs.append(greedy(models.engine))
+    assert outs[0] == outs[1]
+
+
+def test_memory_estimate_counts_int8_weights_at_their_size(root):
+    from dflash_core.bench import memory as bench_memory
+
+    int8, draft, _ = int8_family("qwen3", True, root)
+    est = bench_memory.memory_estimate(str(int8), str(draft), dtype="float32", max_model_len=64,
+                                       max_running_requests=2)
+    models = load_models(EngineConfig(str(int8), str(draft), device="cpu", max_model_len=64, max_running_requests=2))
+    assert est["quantization_layer"] == "int8-channel" and est["weights_bytes"] == models.memory.weights
+    assert "target linear weights int8 (compressed-tensors)" in bench_memory.format_memory([{**est, "preset": "x"}])
 
 
 def test_row_wise_fp8_kernel_runs_where_torch_has_it(root, monkeypatch):

@@ -34,12 +34,17 @@ PROMPTS = ([5], [9, 17, 33, 4, 6, 120, 7])
 NEW_TOKENS = 24
 CPU = torch.device("cpu")
 # what each checkpoint is: GPTQ's original format (zeros stored minus one) in groups of 16, the same under act-order
-# (groups of scattered inputs, g_idx), GPTQ v2 8-bit per channel, AWQ in groups of 16 (its reference computes in
-# float16, as AWQ's kernels do, so dflash-serve serves it in float16 here)
+# (groups of scattered inputs, g_idx), GPTQ v2 8-bit per channel, asymmetric GPTQ in both formats, AWQ in groups of
+# 16 (its reference computes in float16, as AWQ's kernels do, so dflash-serve serves it in float16 here)
 CHECKPOINTS = {
     "gptq": {"method": "gptq", "bits": 4, "group": 16, "dtype": "float32"},
     "gptq-act": {"method": "gptq", "bits": 4, "group": 16, "act_order": True, "dtype": "float32"},
     "gptq8": {"method": "gptq", "bits": 8, "group": -1, "checkpoint_format": "gptq_v2", "dtype": "float32"},
+    # asymmetric (zero points per group): in the original format a zero point of 0 is stored as -1, borrowing from
+    # its neighbour in the word
+    "gptq-asym": {"method": "gptq", "bits": 4, "group": 16, "sym": False, "dtype": "float32"},
+    "gptq-asym-v2": {"method": "gptq", "bits": 4, "group": 16, "sym": False, "checkpoint_format": "gptq_v2",
+                     "dtype": "float32"},
     "awq": {"method": "awq", "bits": 4, "group": 16, "dtype": "float16"},
 }
 
@@ -112,6 +117,7 @@ def test_every_layer_dequantizes_as_gptqmodel_does(families, name):
 @pytest.mark.parametrize("arch,name,backend", [
     ("qwen3", "gptq", "native"), ("qwen3", "gptq", "generic"), ("qwen3", "gptq", "hf"),
     ("qwen3", "gptq-act", "native"), ("qwen3", "gptq8", "native"), ("qwen2", "gptq", "native"),
+    ("qwen3", "gptq-asym", "native"), ("qwen3", "gptq-asym-v2", "generic"),
     ("qwen3", "awq", "native"), ("qwen3", "awq", "generic"), ("qwen2", "awq", "native")])
 def test_greedy_equals_transformers_forward(families, arch, name, backend, speculative):
     root, draft = families[arch]
@@ -179,14 +185,17 @@ def _with(src: Path, dst: Path, qcfg: dict | None = None, drop: str | None = Non
 @pytest.mark.parametrize(("name", "qcfg", "drop", "words"), [
     ("gptq", {"bits": 3}, None, ("GPTQ", "3-bit")),
     ("gptq", {"checkpoint_format": "marlin"}, None, ("checkpoint format 'marlin'",)),
-    ("gptq", {"dynamic": {"-:.*mlp.*": {}}}, None, ("per-module overrides",)),
+    ("gptq", {"dynamic": {"+:.*mlp.*": {"bits": 8}}}, None, ("per-module overrides",)),
+    ("gptq", {"rotation": "hadamard"}, None, ("rotated inputs (hadamard)",)),
+    ("gptq", {"activation": "w4afp8"}, None, ("quantized activations",)),
     ("gptq", {"group_size": 0}, None, ("group_size is 0",)),
     ("awq", {"version": "exllama"}, None, ("AWQ", "version 'exllama'")),
     ("awq", {"zero_point": False}, None, ("without zero points",)),
     ("gptq", {"bits": 8}, None, ("shapes",)),
     ("gptq", None, ".g_idx", ("lacks", "g_idx")),
     ("awq", None, "q_proj.qzeros", ("lacks", "qzeros")),
-], ids=["gptq-3bit", "gptq-marlin", "gptq-dynamic", "gptq-group-0", "awq-exllama", "awq-no-zeros", "gptq-wrong-bits",
+], ids=["gptq-3bit", "gptq-marlin", "gptq-dynamic", "gptq-rotation", "gptq-activation", "gptq-group-0",
+        "awq-exllama", "awq-no-zeros", "gptq-wrong-bits",
         "gptq-no-g-idx", "awq-no-qzeros"])
 def test_what_is_not_served_is_refused_in_one_line(families, tmp_path, name, qcfg, drop, words):
     root, _ = families["qwen3"]
@@ -195,3 +204,21 @@ def test_what_is_not_served_is_refused_in_one_line(families, tmp_path, name, qcf
         load_target(folder, CPU, torch.float32)
     message = str(err.value)
     assert "\n" not in message and len(message) < 300 and all(w in message for w in words), message
+
+
+def test_older_config_files_and_exclusions_load(families, tmp_path):
+    """An AutoGPTQ-era checkpoint keeps its config in quantize_config.json (config.json has none): read from there,
+    not loaded as a full-precision model with random weights; a `dynamic` entry that only excludes modules ("-:")
+    loads (the checkpoint's tensors say which layers are quantized)."""
+    root, _ = families["qwen3"]
+    legacy = shutil.copytree(root / "gptq", tmp_path / "legacy")
+    config = json.loads((legacy / "config.json").read_text())
+    (legacy / "quantize_config.json").write_text(json.dumps(config.pop("quantization_config")))
+    (legacy / "config.json").write_text(json.dumps(config))
+    excluded = _with(root / "gptq", tmp_path / "excluded", {"dynamic": {"-:.*lm_head.*": {}}})
+    theirs = load_file(str(root / "gptq" / "dequantized.safetensors"))
+    for folder in (legacy, excluded):
+        model = load_target(folder, CPU, torch.float16)
+        layers = {n: m for n, m in model.named_modules() if isinstance(m, GptqLinear)}
+        assert set(layers) == set(theirs)
+        assert all(torch.equal(m.dequantized(), theirs[n].t()) for n, m in layers.items())

@@ -36,7 +36,7 @@ from dflash_core.memory import (
     state_bytes_per_slot,
     verify_logits_bytes,
 )
-from dflash_core.quant.formats import LOAD_TIME_BLOCK, quant_spec, quantized_bytes
+from dflash_core.quant.formats import LOAD_TIME_BLOCK, checkpoint_quant_config, quant_spec, quantized_bytes
 
 __all__ = ["GB", "CARDS", "kv_bytes_per_row", "layer_types", "state_bytes_per_slot", "memory_estimate",
            "format_memory", "memory_from_preset", "target_params", "draft_params"]
@@ -173,7 +173,7 @@ def _model_shape(name: str) -> dict[str, Any]:
         "attn_output_gate": cfg.get("attn_output_gate", cfg.get("model_type") in GATED_ATTENTION_TYPES),
         "target_layer_ids": dflash.get("target_layer_ids") or cfg.get("target_layer_ids") or [],
         "block_size": cfg.get("block_size") or dflash.get("block_size"),
-        **_quantization_of(cfg.get("quantization_config")),
+        **_quantization_of(checkpoint_quant_config(path.parent, cfg)),
     }
 
 

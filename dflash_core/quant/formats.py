@@ -8,7 +8,8 @@ A checkpoint says how it is quantized in its config's `quantization_config` (tra
   llm-compressor writes them): symmetric 4- or 8-bit integers with a scale per group of inputs or per channel
   (`quant/packed_int.py`); and in its `float-quantized` format: FP8 weights with a scale per channel (or tensor),
   weight-only or with activations quantized to FP8 per token in each forward (FP8-dynamic, W8A8)
-  (`quant/fp8_channel.py`).
+  (`quant/fp8_channel.py`); and in its `int-quantized` format: int8 weights with a scale per channel, weight-only or
+  with activations quantized to int8 per token (W8A8 INT8) (`quant/int8_channel.py`).
 - `mxfp4`: gpt-oss's MoE experts in MXFP4 (FP4 e2m1 codes, a power-of-two scale per 32 inputs), as OpenAI's
   checkpoints ship them (`quant/mxfp4.py`).
 - `gptq` (GPTQModel / AutoGPTQ, original or v2 format) and `awq` (AutoAWQ's "gemm" version): 4-bit (GPTQ: or
@@ -20,6 +21,7 @@ blocks, as Qwen's). Everything else is refused at start-up with one line naming 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,10 +52,11 @@ class QuantSpec:
     skip: tuple[str, ...] = ()
     bits: int = 8
     # the layer that holds the weights: "fp8-block" (`Fp8Linear`), "packed-int" (`PackedIntLinear`), "fp8-channel"
-    # (`Fp8ChannelLinear`), "gptq" (`GptqLinear`), "awq" (`AwqLinear`) or "mxfp4-experts" (`Mxfp4Experts`)
+    # (`Fp8ChannelLinear`), "int8-channel" (`Int8ChannelLinear`), "gptq" (`GptqLinear`), "awq" (`AwqLinear`) or
+    # "mxfp4-experts" (`Mxfp4Experts`)
     layer: str = "fp8-block"
     dynamic_activations: bool = False  # activations quantized to FP8 per token in each forward (W8A8)
-    per_tensor: bool = False  # "fp8-channel": one weight scale per tensor instead of per output channel
+    per_tensor: bool = False  # "fp8-channel", "int8-channel": one weight scale per tensor, not per output channel
     zero_offset: int = 0  # "gptq": what its checkpoint format subtracted from each zero point (1 in the original)
 
     def describe(self) -> str:
@@ -66,9 +69,10 @@ class QuantSpec:
         if self.layer == "packed-int":
             group = f"groups of {self.block[1]}" if self.block else "per-channel scales"
             return f"compressed-tensors int{self.bits} ({group}, {source})"
-        if self.layer == "fp8-channel":
-            acts = "FP8 activations per token" if self.dynamic_activations else "weight-only"
-            return f"compressed-tensors fp8 (per-channel scales, {acts}, {source})"
+        if self.layer in ("fp8-channel", "int8-channel"):
+            kind = "fp8" if self.layer == "fp8-channel" else "int8"
+            acts = f"{kind.upper()} activations per token" if self.dynamic_activations else "weight-only"
+            return f"compressed-tensors {kind} (per-channel scales, {acts}, {source})"
         block = f"{self.block[0]}x{self.block[1]} blocks" if self.block else "per-tensor scales"
         return f"{self.method} ({block}, {source})"
 
@@ -86,7 +90,7 @@ def quantized_bytes(layer: str, out: int, inp: int, bits: int, block: tuple[int,
         return out * inp + (out // block[0]) * (inp // block[1]) * 4
     if layer == "mxfp4-experts":  # two FP4 codes a byte, a one-byte scale per 32 inputs
         return out * inp // 2 + out * (inp // 32)
-    if layer == "fp8-channel":  # FP8 values, a scale per row in the compute dtype
+    if layer in ("fp8-channel", "int8-channel"):  # a byte a value, a scale per row in the compute dtype
         return out * inp + out * nbytes
     if layer == "packed-int":  # codes, a scale per group (or row) in the compute dtype, the two-element shape
         return out * words + out * groups * nbytes + 16
@@ -162,7 +166,7 @@ def _compressed_tensors_spec(qcfg: dict[str, Any]) -> QuantSpec:
 
     def refuse(what: str) -> ValueError:
         return ValueError(f"the target is quantized with compressed-tensors {what}, not served yet (served: "
-                          f"int4 / int8 W4A16 / W8A16, FP8 W8A16 / W8A8-dynamic); {_INSTEAD}")
+                          f"W4A16, W8A16, INT8 W8A8, FP8 W8A16 / W8A8-dynamic); {_INSTEAD}")
 
     for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
         value = qcfg.get(key)
@@ -196,6 +200,15 @@ def _compressed_tensors_spec(qcfg: dict[str, Any]) -> QuantSpec:
                 raise refuse("group strategy without a group size")
             group_size = int(weights["group_size"]) if weights["strategy"] == "group" else None
             schemes.add(("packed-int", int(weights["num_bits"]), group_size, False))  # (layer, bits, group, acts)
+        elif fmt == "int-quantized":  # int8 values, one per byte (W8A8 INT8, W8A16)
+            if weights.get("type") != "int" or weights.get("num_bits") != 8:
+                raise refuse(f"int-quantized {weights.get('type')} {weights.get('num_bits')}-bit weights")
+            if weights.get("strategy") not in ("channel", "tensor"):
+                raise refuse(f"int8 weights with strategy {weights.get('strategy')!r}")
+            if acts and not (acts.get("type") == "int" and acts.get("num_bits") == 8 and acts.get("dynamic") is True
+                             and acts.get("strategy") == "token" and acts.get("symmetric", True)):
+                raise refuse("activation quantization other than dynamic symmetric int8 per token")
+            schemes.add(("int8-channel", 8, weights["strategy"] == "tensor", bool(acts)))
         elif fmt == "float-quantized":
             if weights.get("type") != "float" or weights.get("num_bits") != 8:
                 raise refuse(f"{weights.get('type')} {weights.get('num_bits')}-bit weights")
@@ -209,11 +222,11 @@ def _compressed_tensors_spec(qcfg: dict[str, Any]) -> QuantSpec:
             raise refuse(f"format {fmt!r}")
     if len(schemes) != 1:
         raise refuse("schemes that differ between layers" if schemes else "without weight schemes")
-    ((layer, bits, detail, dynamic),) = schemes  # detail: the group size (packed-int), per tensor (fp8-channel)
+    ((layer, bits, detail, dynamic),) = schemes  # detail: the group size (packed-int), per tensor (the others)
     group_size = detail if layer == "packed-int" else None
     return QuantSpec("compressed-tensors", (1, group_size) if group_size else None, pre_quantized=True,
                      skip=tuple(qcfg.get("ignore") or ()), bits=bits, layer=layer, dynamic_activations=dynamic,
-                     per_tensor=layer == "fp8-channel" and bool(detail))
+                     per_tensor=layer != "packed-int" and bool(detail))
 
 
 def _group(qcfg: dict[str, Any], method: str) -> tuple[int, int] | None:
@@ -224,12 +237,28 @@ def _group(qcfg: dict[str, Any], method: str) -> tuple[int, int] | None:
     return (1, group) if group > 0 else None
 
 
+def checkpoint_quant_config(folder: Path, config: dict[str, Any]) -> dict[str, Any] | None:
+    """A checkpoint's quantization config: config.json's `quantization_config`, else the file older GPTQ and AWQ
+    checkpoints keep it in (AutoGPTQ's `quantize_config.json`, AutoAWQ's `quant_config.json`), else None."""
+    if config.get("quantization_config") is not None:
+        return config["quantization_config"]
+    for name, method in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
+        if (folder / name).is_file():
+            legacy = json.loads((folder / name).read_text(encoding="utf-8"))
+            return {"quant_method": method, **legacy} if isinstance(legacy, dict) else legacy
+    return None
+
+
 def _gptq_spec(qcfg: dict[str, Any]) -> QuantSpec:
     """A GPTQ config (GPTQModel's or AutoGPTQ's), or ValueError naming what is not served."""
     bits, fmt = qcfg.get("bits"), str(qcfg.get("checkpoint_format") or qcfg.get("format") or "gptq").lower()
+    dynamic = qcfg.get("dynamic") or {}
     why = (f"{bits}-bit weights (4 and 8 are served)" if bits not in (4, 8) else
            f"checkpoint format {fmt!r} (served: gptq, gptq_v2)" if fmt not in ("gptq", "gptq_v2") else
-           "per-module overrides (dynamic)" if qcfg.get("dynamic") else
+           # "-:pattern" only leaves modules unquantized (the checkpoint's tensors say which); others change them
+           "per-module overrides (dynamic)" if any(not str(k).startswith("-:") for k in dynamic) else
+           f"rotated inputs ({qcfg['rotation']})" if qcfg.get("rotation") else
+           f"quantized activations ({qcfg['activation']})" if qcfg.get("activation") else
            f"{qcfg['pack_dtype']} packing" if str(qcfg.get("pack_dtype") or "int32").removeprefix("torch.") != "int32"
            else None)
     if why:

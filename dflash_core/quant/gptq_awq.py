@@ -6,8 +6,8 @@ channel, and mean the weight `scale * (code - zero)`:
 - **GPTQ** (`quant_method: gptq`, as GPTQModel / AutoGPTQ write it): `qweight` [in * bits / 32, out] (codes packed
   along the inputs: input i of a column at word i * bits // 32, bit (i * bits) % 32), `qzeros` [groups, out * bits / 32]
   (packed along the outputs), `scales` [groups, out] float16, `g_idx` [in] (each input's group: `i // group_size`, or
-  any order under act-order, `desc_act`). Its original format ("gptq", v1) stores each zero point minus one;
-  "gptq_v2" stores it as it is.
+  any order under act-order, `desc_act`). Its original format ("gptq", v1) stores each zero point minus one,
+  subtracted from the packed word as a whole (borrows included); "gptq_v2" stores it as it is.
 - **AWQ** (`quant_method: awq`, version "gemm", as AutoAWQ / GPTQModel write it): `qweight` [in, out / 8] and
   `qzeros` [groups, out / 8], both packed along the outputs in AWQ's interleaved order (the 8 codes of a word are
   outputs 0, 2, 4, 6, 1, 3, 5, 7 of its eight), `scales` [groups, out] float16; input i is in group i // group_size.
@@ -76,9 +76,18 @@ class GptqLinear(_ZeroPointLinear):
         self.g_idx = nn.Parameter(torch.arange(in_features, device=device, dtype=torch.int32) // self.group,
                                   requires_grad=False)
 
+    def _zero_words(self) -> torch.Tensor:
+        """`qzeros` with the original format's offset undone as GPTQModel undoes it: one added to every code of a
+        word at once, so a stored -1 (a zero point of 0) borrows from its neighbour and the sum carries into it."""
+        if not self.zero_offset:
+            return self.qzeros
+        ones = sum(1 << shift for shift in range(0, 32, self.bits))  # 0x11111111 (4-bit), 0x01010101 (8-bit)
+        words = (self.qzeros.long() + ones) & 0xFFFFFFFF
+        return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
     def dequantized(self) -> torch.Tensor:
         codes = unpack_uint(self.qweight.t(), self.bits, self.in_features).t()  # [in, out]
-        zeros = unpack_uint(self.qzeros, self.bits, self.out_features).to(torch.int16) + self.zero_offset
+        zeros = unpack_uint(self._zero_words(), self.bits, self.out_features)
         return _dequantize(codes, zeros, self.scales, self.g_idx.long(), self.compute_dtype)
 
 

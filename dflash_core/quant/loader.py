@@ -37,6 +37,7 @@ from dflash_core.quant.formats import QuantSpec
 from dflash_core.quant.fp8 import FP8_DTYPE, Fp8Linear
 from dflash_core.quant.fp8_channel import Fp8ChannelLinear
 from dflash_core.quant.gptq_awq import AwqLinear, GptqLinear
+from dflash_core.quant.int8_channel import Int8ChannelLinear
 from dflash_core.quant.mxfp4 import Mxfp4Experts
 from dflash_core.quant.packed_int import PackedIntLinear
 
@@ -45,6 +46,7 @@ METHOD = "dflash"
 GROUPED = ("packed-int", "gptq", "awq")
 # the tensor each layer kind keeps beside a quantized layer's weight: which modules a checkpoint holds quantized
 MARKERS = {"fp8-block": ".weight_scale_inv", "packed-int": ".weight_packed", "fp8-channel": ".weight_scale",
+           "int8-channel": ".weight_scale",
            "gptq": ".qweight", "awq": ".qweight", "mxfp4-experts": "_blocks"}
 
 
@@ -98,9 +100,10 @@ class DFlashQuantizer(HfQuantizer):
         if qc.layer == "awq":
             return AwqLinear(linear.in_features, linear.out_features, qc.bits, qc.group_size, linear.bias is not None,
                              dtype, device)
-        if qc.layer == "fp8-channel":
-            return Fp8ChannelLinear(linear.in_features, linear.out_features, qc.per_tensor, qc.dynamic_activations,
-                                    linear.bias is not None, dtype, device)
+        if qc.layer in ("fp8-channel", "int8-channel"):
+            kind = Fp8ChannelLinear if qc.layer == "fp8-channel" else Int8ChannelLinear
+            return kind(linear.in_features, linear.out_features, qc.per_tensor, qc.dynamic_activations,
+                        linear.bias is not None, dtype, device)
         block = tuple(qc.weight_block_size) if qc.weight_block_size else None
         if not self.pre_quantized and block and (linear.out_features % block[0] or linear.in_features % block[1]):
             return None  # as transformers' quantization op: a weight that does not tile stays as it is
@@ -179,6 +182,8 @@ class DFlashQuantizer(HfQuantizer):
         for module in model.modules():
             if isinstance(module, (Fp8Linear, Fp8ChannelLinear)) and module.weight.dtype != FP8_DTYPE:
                 raise RuntimeError(f"transformers loaded {module.weight.dtype} weights into an FP8 layer")
+            if isinstance(module, Int8ChannelLinear) and module.weight.dtype != torch.int8:
+                raise RuntimeError(f"transformers loaded {module.weight.dtype} weights into an int8 layer")
             if isinstance(module, (QuantizedLinear, Mxfp4Experts)):
                 module.requires_grad_(False)  # served, never trained (the loader hands back trainable parameters)
         return model
@@ -298,8 +303,9 @@ def weights_format(model: nn.Module) -> str | None:
             return "fp8"
         if isinstance(module, PackedIntLinear):
             return f"compressed-tensors int{module.bits}"
-        if isinstance(module, Fp8ChannelLinear):
-            return "compressed-tensors fp8" + (" (W8A8)" if module.dynamic_activations else "")
+        if isinstance(module, (Fp8ChannelLinear, Int8ChannelLinear)):
+            kind = "fp8" if isinstance(module, Fp8ChannelLinear) else "int8"
+            return f"compressed-tensors {kind}" + (" (W8A8)" if module.dynamic_activations else "")
         if isinstance(module, Mxfp4Experts):
             return "mxfp4 (MoE experts)"
         if isinstance(module, (GptqLinear, AwqLinear)):
