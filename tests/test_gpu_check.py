@@ -48,11 +48,12 @@ def test_dry_run_writes_the_json(tmp_path: Path) -> None:
         assert r["draft_tokens"] > 0 and r["tokens_per_row_step"] > 2 and r["speedup"] > 0
     assert all(r["draft_tokens"] == 0 for r in e2e["runs"]["no-speculative"])
     assert "e2e c=1: DFlash (scripted" in proc.stdout
-    # FP8 linear layers: on a CPU the kernel is not chosen, and says why; the dequantizing forward is timed
-    for name in ("block", "dynamic"):
-        fp8 = result["fp8"][name]
-        assert fp8["kernel"] is False and fp8["reason"] == "cpu: the kernel is CUDA's" and fp8["dequant_ms_16"] > 0
-        assert f"FP8 {name} 256x384: no kernel (cpu: the kernel is CUDA's)" in proc.stdout
+    # quantized linear layers: on a CPU no kernel is chosen, and each says why; the dequantizing forward is timed
+    for name in ("block", "dynamic", "int8", "gptq-int4"):
+        layer = result["quant"][name]
+        why = "no kernel wired" if name == "gptq-int4" else "cpu: the kernel is CUDA's"
+        assert layer["kernel"] is False and layer["reason"] == why and layer["dequant_ms_16"] > 0
+        assert f"{name} 256x384: no kernel ({why})" in proc.stdout
 
 
 def test_scripted_drafter_copies_the_recording_at_its_rate() -> None:

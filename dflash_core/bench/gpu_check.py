@@ -8,9 +8,9 @@ reports the physical anchors: the compiled plain step at batch 1 against weights
 TB/s: Qwen3-8B's 16.4 GB of bf16 weights bound a plain step near 3.4 ms, 290 tok/s; target within 1.3x) and the
 16-wide verify step against the plain step at batch 1 (target within 1.15x). Each figure: three warm calls, then
 20 timed with CUDA events, with the graphs compiled (recompiles) and host syncs counted over the timed calls; the
-peak memory is set against `dflash-bench memory`'s estimate. Last, FP8 linear layers (`fp8_check`): whether the
-block-scaled and the row-wise FP8 kernels pass their probes on the card, and their ms per multiply against bf16 and
-the dequantizing forward. Writes gpu_check.json and gpu_check.png.
+peak memory is set against `dflash-bench memory`'s estimate. Last, quantized linear layers (`gpu_quant.quant_check`):
+whether the FP8 and int8 kernels pass their probes on the card, and their ms per multiply against bf16 and the
+dequantizing forward. Writes gpu_check.json and gpu_check.png.
 
 `--quick` (a borrowed GPU host, under 8 minutes): Qwen3-8B only, batch 1, 8 and 32, widths 1, 4 and 16, no test
 subset, then an end-to-end part (`gpu_e2e`): the server's app on the random pair, DFlash with a scripted drafter
@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflash_core.bench.errors import BenchError
+from dflash_core.bench.gpu_quant import format_quant, quant_check
 from dflash_core.bench.measure import environment
 from dflash_core.bench.memory import MODEL_SHAPES
 from dflash_core.cli_help import HelpFormatter
@@ -390,50 +391,11 @@ def run_gpu_check(out_dir: Path, dry_run: bool, tests: bool = True, iters: int |
         del model, draft
         if plan.device.type == "cuda":
             torch.cuda.empty_cache()
-    _progress(f"FP8 linear layers ({time.perf_counter() - t0:.0f} s in)")
+    _progress(f"quantized linear layers ({time.perf_counter() - t0:.0f} s in)")
     with torch.inference_mode():
-        result["fp8"] = fp8_check(plan)
+        result["quant"] = quant_check(plan.device, lambda fn: _time_ms(fn, plan.device, plan.iters)["ms"])
     write(rows, e2e)
     result["plot"] = str(out_dir / "gpu_check.png") if _plot(rows, out_dir / "gpu_check.png", e2e) else None
-    return result
-
-
-def fp8_check(plan: Plan) -> dict[str, Any]:
-    """FP8 linear layers (`dflash_core/quant/`) shaped like Qwen3-8B's MLP down projection (12288 -> 4096; tiny on a
-    dry run), block-scaled (Qwen's FP8 checkpoints) and per channel with FP8-dynamic inputs (compressed-tensors):
-    whether each kernel passes its probe here, and ms per multiply at 1, 16 and 256 rows for bf16 weights, the
-    kernel-free (dequantizing) forward and the kernel."""
-    import torch
-
-    from dflash_core.quant.base import choose_kernel
-    from dflash_core.quant.fp8 import Fp8Linear
-    from dflash_core.quant.fp8_channel import Fp8ChannelLinear, RowWiseFp8Kernel
-    from dflash_core.quant.fp8_kernels import BlockFp8Kernel
-
-    out_f, in_f = (256, 384) if plan.device.type != "cuda" else (4096, 12288)
-    dtype = torch.bfloat16 if plan.device.type == "cuda" else torch.float32
-    weight = torch.randn(out_f, in_f, device=plan.device, dtype=dtype) * 0.02
-    result: dict[str, Any] = dict(shape=[out_f, in_f])
-    for rows in (1, 16, 256):
-        x = torch.randn(rows, in_f, device=plan.device, dtype=dtype)
-        result[f"bf16_ms_{rows}"] = _time_ms(lambda x=x: torch.nn.functional.linear(x, weight), plan.device,
-                                              plan.iters)["ms"]
-    for name, layer, kernel in (
-            ("block", Fp8Linear(in_f, out_f, (128, 128), False, dtype, plan.device), BlockFp8Kernel()),
-            ("dynamic", Fp8ChannelLinear(in_f, out_f, False, True, False, dtype, plan.device), RowWiseFp8Kernel())):
-        layer.weight.data = weight.to(layer.weight.dtype)  # unit scales: the values as FP8 rounds them
-        if isinstance(layer, Fp8ChannelLinear):
-            layer.weight_scale.data.fill_(1.0)
-        entry: dict[str, Any] = {}
-        for rows in (1, 16, 256):
-            x = torch.randn(rows, in_f, device=plan.device, dtype=dtype)
-            entry[f"dequant_ms_{rows}"] = _time_ms(lambda x=x, m=layer: m(x), plan.device, plan.iters)["ms"]
-        choice = choose_kernel(torch.nn.Sequential(layer), plan.device, kernel)
-        entry.update(kernel=choice.used, reason=choice.reason, probe_error=choice.error)
-        for rows in (1, 16, 256) if choice.used else ():
-            x = torch.randn(rows, in_f, device=plan.device, dtype=dtype)
-            entry[f"kernel_ms_{rows}"] = _time_ms(lambda x=x, m=layer: m(x), plan.device, plan.iters)["ms"]
-        result[name] = entry
     return result
 
 
@@ -459,13 +421,7 @@ def format_gpu_check(result: dict[str, Any]) -> str:
         m = result["memory"]
         lines.append(f"peak memory {m['peak_bytes'] / 1e9:.2f} GB vs dflash-bench memory "
                      f"{m['estimate_total_bytes'] / 1e9:.2f} GB ({m['peak_vs_estimate']:.2f}x)")
-    f = result.get("fp8") or {}
-    for name in ("block", "dynamic") if f else ():
-        e = f[name]
-        times = ", ".join(f"{rows} rows bf16 {f[f'bf16_ms_{rows}']:.3f} / dequant {e[f'dequant_ms_{rows}']:.3f}"
-                          + (f" / kernel {e[f'kernel_ms_{rows}']:.3f}" if e["kernel"] else "") for rows in (1, 16, 256))
-        lines.append(f"FP8 {name} {f['shape'][0]}x{f['shape'][1]}: {'kernel' if e['kernel'] else 'no kernel'} "
-                     f"({e['reason']}); ms {times}")
+    lines += format_quant(result.get("quant") or {})
     if result.get("tests"):
         lines.append(f"tests: {result['tests']['summary']} (exit {result['tests']['returncode']})")
     lines += [f"note: {n}" for n in result["notes"]]

@@ -81,7 +81,7 @@ class Int8Kernel(QuantKernel):
     tolerance = TOLERANCE
 
     def unavailable(self, device: torch.device) -> str | None:
-        return None if device.type == "cuda" else f"{device.type}: the kernel is served on CUDA"
+        return None if device.type == "cuda" else f"{device.type}: the kernel is CUDA's"
 
     def eligible(self, layer: QuantizedLinear) -> bool:
         """Dynamic activations (a weight-only layer keeps full-precision inputs), sides multiples of 8 (CUDA)."""
