@@ -176,13 +176,14 @@ def load_target(
         from dflash_core.quant.base import choose_kernel
         from dflash_core.quant.fp8_channel import RowWiseFp8Kernel
         from dflash_core.quant.fp8_kernels import BlockFp8Kernel
+        from dflash_core.quant.int4_kernel import Int4Kernel
         from dflash_core.quant.int8_channel import Int8Kernel
 
         if not spec.pre_quantized and weights_format(model) is None:
             log.warning("--quantization %s: no linear layer's sides divide by its %dx%d blocks; the weights stay in "
                         "full precision", spec.method, *spec.block)
-        # FP8 and int8 GEMMs where the device runs them correctly
-        for kernel in (BlockFp8Kernel(), RowWiseFp8Kernel(), Int8Kernel()):
+        # FP8, int8 and int4 GEMMs where the device runs them correctly
+        for kernel in (BlockFp8Kernel(), RowWiseFp8Kernel(), Int8Kernel(), Int4Kernel()):
             choose_kernel(model, device, kernel)
     return model
 

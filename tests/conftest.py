@@ -62,7 +62,7 @@ SLOW_TESTS = {
 # a test of these files listed in SLOW_TESTS is left out.
 CORE_FILES = ("test_engine.py", "test_native.py", "test_hybrid.py", "test_draft.py", "test_draft_device.py",
               "test_exactness.py", "test_compile.py", "test_sampling_reference.py", "test_step_timing.py",
-              "test_quant.py")
+              "test_quant.py", "test_quant_mxfp4.py")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -568,6 +568,10 @@ def test_compressed_tensors_greedy_equals_transformers_forward(root, arch, backe
                                       speculation="fixed", device="cpu"))
     layers = [m for m in models.engine.target.model.modules() if isinstance(m, PackedIntLinear)]
     assert layers and all(m.bits == bits and m.weight_packed.dtype == torch.int32 for m in layers)
+    for m in layers[:3]:  # what the int4 kernel is given: codes, zero points and scales of the same weight
+        codes, zeros, scales = (t.float() for t in m.int_groups())
+        g = torch.arange(m.in_features) // m.group
+        assert torch.equal((codes - zeros[:, g]) * scales[:, g], m.dequantized().float())
     assert models.quantization == f"compressed-tensors int{bits}"
     assert greedy(models.engine) == refs
 

@@ -24,6 +24,8 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_core.config import EngineConfig
+from dflash_core.engine import Engine
+from dflash_core.exactness import compare_greedy, runner_logits
 from dflash_core.loading import load_models, load_target
 from dflash_core.quant.gptq_awq import AwqLinear, GptqLinear
 from dflash_core.sampling import SamplingParams
@@ -46,6 +48,9 @@ CHECKPOINTS = {
     "gptq-asym-v2": {"method": "gptq", "bits": 4, "group": 16, "sym": False, "checkpoint_format": "gptq_v2",
                      "dtype": "float32"},
     "awq": {"method": "awq", "bits": 4, "group": 16, "dtype": "float16"},
+    # groups of 32, as torch's int4 GEMM takes them (the kernel test)
+    "gptq-g32": {"method": "gptq", "bits": 4, "group": 32, "sym": False, "dtype": "float32"},
+    "awq-g32": {"method": "awq", "bits": 4, "group": 32, "dtype": "float16"},
 }
 
 
@@ -111,6 +116,13 @@ def test_every_layer_dequantizes_as_gptqmodel_does(families, name):
     for n, layer in layers.items():
         assert layer.qweight.dtype == torch.int32 and layer.scales.dtype == torch.float16
         assert torch.equal(layer.dequantized(), theirs[n].t()), n
+        groups = layer.int_groups()  # what the int4 kernel is given: the same weight, groups in order
+        if groups is not None:
+            codes, zeros, scales = (t.float() for t in groups)
+            g = torch.arange(layer.in_features) // layer.group
+            assert torch.equal(((codes - zeros[:, g]) * scales[:, g]).half(), theirs[n].t()), n
+        else:
+            assert name == "gptq-act"
 
 
 @pytest.mark.parametrize("speculative", [True, False], ids=["dflash", "plain"])
@@ -222,3 +234,66 @@ def test_older_config_files_and_exclusions_load(families, tmp_path):
         layers = {n: m for n, m in model.named_modules() if isinstance(m, GptqLinear)}
         assert set(layers) == set(theirs)
         assert all(torch.equal(m.dequantized(), theirs[n].t()) for n, m in layers.items())
+    # a full-precision folder left with such a file loads as it is; a file that is not JSON is refused in one line
+    stale = shutil.copytree(root / "target-qwen3", tmp_path / "stale")
+    shutil.copy(legacy / "quantize_config.json", stale / "quantize_config.json")
+    assert not any(isinstance(m, GptqLinear) for m in load_target(stale, CPU, torch.float32).modules())
+    (legacy / "quantize_config.json").write_text("{bits: 4")
+    with pytest.raises(ValueError, match="quantize_config.json is not readable JSON") as err:
+        load_target(legacy, CPU, torch.float32)
+    assert "\n" not in str(err.value)
+    from dflash_core.bench import memory as bench_memory
+    from dflash_core.bench.errors import BenchError
+
+    with pytest.raises(BenchError, match="quantize_config.json is not readable JSON"):
+        bench_memory.memory_estimate(str(legacy), str(root / "draft-qwen3-b16"), dtype="float32", max_model_len=64)
+
+
+@pytest.mark.parametrize("name", ["gptq-g32", "awq-g32"])
+def test_int4_kernel_agrees_keeps_weights_4bit_and_speculation_exact(families, monkeypatch, name):
+    """torch's int4 GEMM (tinygemm; CUDA's, whose arithmetic torch also runs on this CPU) multiplies GPTQ and AWQ
+    layers in bf16 once the device check passes: it agrees with the kernel-free product, its packed weight replaces
+    the checkpoint's tensors (still half a byte a weight), and DFlash output with it equals plain decoding's or
+    leaves it only at a near-tie (bf16). On a CPU by default, and for act-order GPTQ or float32 anywhere, the
+    kernel-free forward serves."""
+    from dflash_core.quant.int4_kernel import Int4Kernel
+
+    root, draft = families["qwen3"]
+    layer_type = GptqLinear if name.startswith("gptq") else AwqLinear
+
+    def layers(folder: Path, dtype: torch.dtype) -> dict[str, torch.nn.Module]:
+        model = load_target(folder, CPU, dtype)  # the kernel is chosen as the target loads
+        return {n: m for n, m in model.named_modules() if isinstance(m, layer_type)}
+
+    free = layers(root / name, torch.bfloat16)
+    assert all(m.kernel is None for m in free.values())  # a CPU: the kernel-free forward
+    monkeypatch.setattr(Int4Kernel, "unavailable", lambda self, device: None)
+    assert all(m.kernel is None for m in layers(root / name, torch.float32).values())  # bf16 only
+    assert all(m.kernel is None for m in layers(root / "gptq-act", torch.bfloat16).values())  # scattered groups
+    fast = layers(root / name, torch.bfloat16)
+    assert len(fast) == 4 * 7 and all(m.kernel is not None and m.qweight.numel() == 0 for m in fast.values())
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    for n, m in fast.items():
+        rows = x[:, : m.in_features].repeat(1, m.in_features // 64 or 1).to(torch.bfloat16)
+        ref = free[n](rows).float()
+        assert float((m(rows).float() - ref).norm() / ref.norm()) < Int4Kernel.tolerance, n
+    size = {k: sum(p.numel() * p.element_size() for m in v.values() for p in m.parameters())
+            for k, v in (("free", free), ("fast", fast))}
+    # codes at half a byte, a bf16 scale and zero per group and output: the checkpoint's size, give or take its
+    # zero points' and indices' layout
+    expected = sum(m.out_features * m.in_features // 2 + m.in_features // 32 * m.out_features * 4
+                   for m in fast.values())
+    assert size["fast"] == expected and abs(size["fast"] - size["free"]) < 0.1 * size["free"]
+    # DFlash with the kernel against plain decoding with it, in bf16: equal, or first apart where the target's top
+    # two logits nearly tie (the cross-shape policy of dflash_core/exactness.py: 16-row verify blocks and one-row
+    # plain steps round differently in bf16)
+    models = load_models(EngineConfig(str(root / name), str(draft), speculation="fixed", device="cpu",
+                                      dtype="bfloat16"))
+    spec, target = models.engine, models.engine.target
+    assert all(m.kernel is not None for m in target.model.modules() if isinstance(m, layer_type))
+    plain = Engine(target, None, eos_token_ids=[], kv=spec.kv)
+    outs = [greedy(engine) for engine in (spec, plain)]
+    for prompt in outs[0]:
+        with spec.kv.borrow(len(prompt) + NEW_TOKENS + 1) as blocks:
+            d = compare_greedy(outs[1][prompt], outs[0][prompt], runner_logits(target, prompt, blocks=blocks))
+        assert d is None or d.near_tie, d

@@ -3,7 +3,7 @@ Qwen3-8B's MLP down projection (12288 -> 4096; 256 x 384 on a CPU dry run), with
 its probe on this device and why not, and ms per multiply at 1, 16 and 256 rows for bf16 weights, the kernel-free
 (dequantizing) forward and the kernel. Kinds: FP8 block-scaled (Qwen's FP8 checkpoints; cuBLAS's block-scaled GEMM),
 FP8-dynamic and INT8 W8A8 (compressed-tensors; torch's row-wise FP8 and int8 GEMMs), and GPTQ int4 in groups of 128
-(the dequantizing forward only: no 4-bit kernel is wired)."""
+(torch's int4 GEMM, tinygemm)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,14 @@ ROWS = (1, 16, 256)
 
 
 def _layers(in_f: int, out_f: int, dtype: Any, device: Any, weight: Any) -> list[tuple[str, Any, Any]]:
-    """(name, layer holding `weight` as that kind rounds it, its kernel or None)."""
+    """(name, layer holding `weight` as that kind rounds it (GPTQ: random codes), its kernel)."""
     import torch
 
     from dflash_core.quant.fp8 import Fp8Linear
     from dflash_core.quant.fp8_channel import Fp8ChannelLinear, RowWiseFp8Kernel
     from dflash_core.quant.fp8_kernels import BlockFp8Kernel
     from dflash_core.quant.gptq_awq import GptqLinear
+    from dflash_core.quant.int4_kernel import Int4Kernel
     from dflash_core.quant.int8_channel import Int8ChannelLinear, Int8Kernel
 
     block = Fp8Linear(in_f, out_f, (128, 128), False, dtype, device)
@@ -37,7 +38,7 @@ def _layers(in_f: int, out_f: int, dtype: Any, device: Any, weight: Any) -> list
     gptq.qzeros.data.fill_(0x88888888 - 2**32)  # every zero point 8
     gptq.scales.data = torch.full_like(gptq.scales, 0.01)
     return [("block", block, BlockFp8Kernel()), ("dynamic", dynamic, RowWiseFp8Kernel()), ("int8", int8, Int8Kernel()),
-            ("gptq-int4", gptq, None)]
+            ("gptq-int4", gptq, Int4Kernel())]
 
 
 def quant_check(device: Any, time_ms: Callable[[Callable[[], Any]], float]) -> dict[str, Any]:
@@ -55,11 +56,8 @@ def quant_check(device: Any, time_ms: Callable[[Callable[[], Any]], float]) -> d
         result[f"bf16_ms_{rows}"] = time_ms(lambda x=x: torch.nn.functional.linear(x, weight))
     for name, layer, kernel in _layers(in_f, out_f, dtype, device, weight):
         entry: dict[str, Any] = {f"dequant_ms_{rows}": time_ms(lambda x=x, m=layer: m(x)) for rows, x in inputs.items()}
-        if kernel is None:
-            entry.update(kernel=False, reason="no kernel wired", probe_error=None)
-        else:
-            choice = choose_kernel(torch.nn.Sequential(layer), device, kernel)
-            entry.update(kernel=choice.used, reason=choice.reason, probe_error=choice.error)
+        choice = choose_kernel(torch.nn.Sequential(layer), device, kernel)
+        entry.update(kernel=choice.used, reason=choice.reason, probe_error=choice.error)
         for rows, x in inputs.items() if entry["kernel"] else ():
             entry[f"kernel_ms_{rows}"] = time_ms(lambda x=x, m=layer: m(x))
         result[name] = entry

@@ -173,19 +173,18 @@ def _model_shape(name: str) -> dict[str, Any]:
         "attn_output_gate": cfg.get("attn_output_gate", cfg.get("model_type") in GATED_ATTENTION_TYPES),
         "target_layer_ids": dflash.get("target_layer_ids") or cfg.get("target_layer_ids") or [],
         "block_size": cfg.get("block_size") or dflash.get("block_size"),
-        **_quantization_of(checkpoint_quant_config(path.parent, cfg)),
+        **_quantization_of(path.parent, cfg),
     }
 
 
-def _quantization_of(qcfg: dict[str, Any] | None) -> dict[str, Any]:
+def _quantization_of(folder: Path, cfg: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint's quantization as the estimate counts it; a format the server does not serve is refused."""
-    if not qcfg:
-        return {}
     try:
-        spec = quant_spec(qcfg, None)
+        spec = quant_spec(checkpoint_quant_config(folder, cfg), None)
     except ValueError as exc:
         raise BenchError(str(exc)) from None
-    assert spec is not None
+    if spec is None:
+        return {}
     return {"quantization": spec.method, "quantization_block": spec.block, "quantization_bits": spec.bits,
             "quantization_layer": spec.layer}
 

@@ -51,6 +51,27 @@ class QuantizedLinear(nn.Module, ABC):
         return y if self.bias is None else y + self.bias
 
 
+class GroupedIntLinear(QuantizedLinear):
+    """A layer of `bits`-bit integer codes with a scale and a zero point per group of `group` inputs (GPTQ, AWQ,
+    compressed-tensors' packed ints); `storage`: the names of the tensors that hold them."""
+
+    bits: int
+    group: int
+    storage: tuple[str, ...]
+
+    @abstractmethod
+    def int_groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(codes [out, in] unsigned, zero points [out, groups] as codes, scales [out, groups]) where each group is
+        `group` consecutive inputs; None where it is not (GPTQ's act-order)."""
+
+    def release(self) -> None:
+        """Drop the checkpoint's tensors (a kernel that holds the weight in its own layout has taken over; the
+        kernel-free forward cannot run after this)."""
+        for name in self.storage:
+            tensor = getattr(self, name)
+            tensor.data = tensor.new_empty(0)
+
+
 class QuantKernel(ABC):
     """A device kernel for one kind of quantized layer."""
 
@@ -69,6 +90,9 @@ class QuantKernel(ABC):
     @abstractmethod
     def prepare(self, layer: QuantizedLinear) -> Product:
         """The kernel's product for `layer` (its operands laid out as the kernel wants them, once)."""
+
+    def adopt(self, layer: QuantizedLinear) -> None:  # noqa: B027  (a hook: most kernels keep the layer's tensors)
+        """After the kernel is on for `layer`: what it does with the layer's own tensors (by default, nothing)."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +146,7 @@ def choose_kernel(model: nn.Module, device: torch.device, kernel: QuantKernel) -
                           reason or f"{kernel.name} (probe error {error:.3g})", error)
     for layer in fit if choice.used else ():
         layer.kernel = kernel.prepare(layer)
+        kernel.adopt(layer)
     log.info("%s matrix multiplies: %s", kernel.layer_type.__name__,
              f"{choice.layers} of {len(layers)} layers by {choice.reason}" if choice.used
              else f"dequantized per layer ({choice.reason})")

@@ -239,14 +239,35 @@ def _group(qcfg: dict[str, Any], method: str) -> tuple[int, int] | None:
 
 def checkpoint_quant_config(folder: Path, config: dict[str, Any]) -> dict[str, Any] | None:
     """A checkpoint's quantization config: config.json's `quantization_config`, else the file older GPTQ and AWQ
-    checkpoints keep it in (AutoGPTQ's `quantize_config.json`, AutoAWQ's `quant_config.json`), else None."""
+    checkpoints keep it in (AutoGPTQ's `quantize_config.json`, AutoAWQ's `quant_config.json`) when the checkpoint
+    holds packed weights (a full-precision folder left with one of those files loads as it is), else None."""
     if config.get("quantization_config") is not None:
         return config["quantization_config"]
     for name, method in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
-        if (folder / name).is_file():
-            legacy = json.loads((folder / name).read_text(encoding="utf-8"))
+        if (folder / name).is_file() and _holds_packed_weights(folder):
+            try:
+                legacy = json.loads((folder / name).read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise ValueError(f"the target's {name} is not readable JSON ({exc})") from None
             return {"quant_method": method, **legacy} if isinstance(legacy, dict) else legacy
     return None
+
+
+def _holds_packed_weights(folder: Path) -> bool:
+    """Whether the folder's safetensors name GPTQ / AWQ packed weights (`*.qweight`), read from the index or the
+    files' JSON headers (no tensor is read)."""
+    index = folder / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            return any(k.endswith(".qweight") for k in json.loads(index.read_text(encoding="utf-8"))["weight_map"])
+        for file in folder.glob("*.safetensors"):
+            with file.open("rb") as f:
+                header = f.read(int.from_bytes(f.read(8), "little"))
+            if any(k.endswith(".qweight") for k in json.loads(header)):
+                return True
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # unreadable: transformers' load says why
+    return False
 
 
 def _gptq_spec(qcfg: dict[str, Any]) -> QuantSpec:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash_core.quant.base import QuantizedLinear
+from dflash_core.quant.base import GroupedIntLinear
 from dflash_core.quant.packed_int import unpack_uint
 
 # AWQ's order of the 8 outputs in a packed word, undone: output k of the 8 is code AWQ_UNDO[k] of the word
@@ -36,7 +36,7 @@ def _dequantize(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, 
     return (scales[groups] * diff.to(scales.dtype)).t().to(dtype)
 
 
-class _ZeroPointLinear(QuantizedLinear):
+class _ZeroPointLinear(GroupedIntLinear):
     """The parameters GPTQ and AWQ layers share: `qweight`, `qzeros`, `scales` (float16, as the checkpoints hold
     them), `bias`; `bits`, `group` (inputs per group)."""
 
@@ -85,14 +85,29 @@ class GptqLinear(_ZeroPointLinear):
         words = (self.qzeros.long() + ones) & 0xFFFFFFFF
         return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
+    storage = ("qweight", "qzeros", "scales", "g_idx")
+
+    def _codes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes [in, out], zero points [groups, out])."""
+        codes = unpack_uint(self.qweight.t(), self.bits, self.in_features).t()
+        return codes, unpack_uint(self._zero_words(), self.bits, self.out_features)
+
     def dequantized(self) -> torch.Tensor:
-        codes = unpack_uint(self.qweight.t(), self.bits, self.in_features).t()  # [in, out]
-        zeros = unpack_uint(self._zero_words(), self.bits, self.out_features)
+        codes, zeros = self._codes()
         return _dequantize(codes, zeros, self.scales, self.g_idx.long(), self.compute_dtype)
+
+    def int_groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        in_order = torch.arange(self.in_features, device=self.g_idx.device) // self.group
+        if not torch.equal(self.g_idx.long(), in_order):
+            return None  # act-order: a group's inputs are scattered
+        codes, zeros = self._codes()
+        return codes.t(), zeros.t(), self.scales.t()
 
 
 class AwqLinear(_ZeroPointLinear):
     """An AWQ ("gemm") layer: parameters named as its checkpoints (`qweight`, `qzeros`, `scales`, `bias`)."""
+
+    storage = ("qweight", "qzeros", "scales")
 
     def __init__(self, in_features: int, out_features: int, bits: int, group_size: int | None, bias: bool,
                  dtype: torch.dtype, device: torch.device | str | None = None) -> None:
@@ -111,3 +126,6 @@ class AwqLinear(_ZeroPointLinear):
         groups = torch.arange(self.in_features, device=self.qweight.device) // self.group
         return _dequantize(self._unpack(self.qweight), self._unpack(self.qzeros), self.scales, groups,
                            self.compute_dtype)
+
+    def int_groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._unpack(self.qweight).t(), self._unpack(self.qzeros).t(), self.scales.t()

@@ -33,7 +33,9 @@ class Mxfp4Experts(nn.Module):
         super().__init__()
         self.num_experts, self.hidden_size = config.num_local_experts, config.hidden_size
         self.intermediate_size = config.intermediate_size
-        self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
+        # transformers 5.17's config has neither field (its experts fix them); OpenAI's config.json sets the limit
+        self.alpha = getattr(config, "swiglu_alpha", 1.702)
+        self.limit = getattr(config, "swiglu_limit", 7.0)
         self.compute_dtype = dtype
         if self.hidden_size % MX_BLOCK or self.intermediate_size % MX_BLOCK:
             raise ValueError(f"MXFP4 experts need sides that divide by {MX_BLOCK} (hidden {self.hidden_size}, "
@@ -51,8 +53,9 @@ class Mxfp4Experts(nn.Module):
     def expert_weight(self, proj: str, expert: int) -> torch.Tensor:
         """Expert `expert`'s `proj` weight [in, out] in the compute dtype, as `GptOssExperts` holds it."""
         blocks, scales = getattr(self, f"{proj}_blocks"), getattr(self, f"{proj}_scales")
-        return convert_moe_packed_tensors(blocks[expert:expert + 1], scales[expert:expert + 1],
-                                          dtype=self.compute_dtype)[0]
+        weight = convert_moe_packed_tensors(blocks[expert:expert + 1], scales[expert:expert + 1],
+                                            dtype=self.compute_dtype)[0]
+        return weight.to(blocks.device)  # (transformers' function falls back to the CPU when the device is full)
 
     def forward(self, hidden_states: torch.Tensor, router_indices: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash_core.quant.base import QuantizedLinear
+from dflash_core.quant.base import GroupedIntLinear
 
 
 def unpack_uint(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
@@ -49,9 +49,11 @@ def dequantize_groups(values: torch.Tensor, scale: torch.Tensor, group: int, dty
     return (w * scale.repeat_interleave(group, dim=1)[:, :cols]).to(dtype)
 
 
-class PackedIntLinear(QuantizedLinear):
+class PackedIntLinear(GroupedIntLinear):
     """A linear layer with `bits`-bit symmetric integer weights packed in int32 and per-group (or per-channel)
     scales; parameter names as compressed-tensors' checkpoints: `weight_packed`, `weight_scale`, `weight_shape`."""
+
+    storage = ("weight_packed", "weight_scale", "weight_shape")
 
     def __init__(
         self, in_features: int, out_features: int, bits: int, group_size: int | None, bias: bool, dtype: torch.dtype,
@@ -77,6 +79,11 @@ class PackedIntLinear(QuantizedLinear):
         """The weight in the compute dtype, as the checkpoint means it."""
         values = unpack_int32(self.weight_packed, self.bits, self.in_features)
         return dequantize_groups(values, self.weight_scale, self.group, self.compute_dtype)
+
+    def int_groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stored codes (the values offset by 2^(bits-1)), that offset as every zero point, the scales."""
+        codes = unpack_uint(self.weight_packed, self.bits, self.in_features)
+        return codes, torch.full_like(self.weight_scale, 1 << (self.bits - 1)), self.weight_scale
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}, "
