@@ -297,8 +297,9 @@ class EngineConfig:
     dtype: str = _setting("auto", "auto, float32, bfloat16, float16")
     quantization: str | None = _setting(
         None, "quantize a full-precision target's linear weights while loading: fp8 (e4m3, 128x128 block scales, "
-        "as Qwen's FP8 checkpoints); a quantized checkpoint (FP8, compressed-tensors W4A16 / W8A16 / FP8) is read "
-        "as it is without this flag (default: the checkpoint's own weights)")
+        "as Qwen's FP8 checkpoints) or int4 (4-bit codes with a scale and zero point per 128 inputs, GPTQ's "
+        "layout); a quantized checkpoint (FP8, GPTQ, AWQ, compressed-tensors, MXFP4) is read as it is without this "
+        "flag (default: the checkpoint's own weights)")
     backend: str = _setting(
         "auto", "target forward: native (our own batched forward over the paged KV pool; Qwen3, Llama, Qwen2, "
         "Qwen3-MoE and the hybrids Qwen3.5, Qwen3.5-MoE, Qwen3-Next), generic (any attention-only transformers "

@@ -54,6 +54,16 @@ CHECKPOINTS = {
 }
 
 
+def run_reference(src: Path, root: Path, checkpoints: dict) -> None:
+    """tests/gptq_awq_reference.py in GPTQModel's venv: `checkpoints` written from `src` into `root` (or already
+    there: "existing"), and transformers' greedy references of each."""
+    job = {"prompts": [list(p) for p in PROMPTS], "new_tokens": NEW_TOKENS, "checkpoints": checkpoints}
+    script = Path(__file__).with_name("gptq_awq_reference.py")
+    run = subprocess.run([reference_python(), str(script), str(src), str(root), json.dumps(job)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+
+
 @pytest.fixture(scope="module")
 def families(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """arch -> (folder of its checkpoints and GPTQModel's references, draft): qwen3, and qwen2 (biased q/k/v)."""
@@ -61,11 +71,7 @@ def families(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     for arch in ("qwen3", "qwen2"):
         root = tmp_path_factory.mktemp(f"gptq-{arch}")
         target, draft = make_tiny_pair(root, arch=arch)
-        job = {"prompts": [list(p) for p in PROMPTS], "new_tokens": NEW_TOKENS, "checkpoints": CHECKPOINTS}
-        script = Path(__file__).with_name("gptq_awq_reference.py")
-        run = subprocess.run([reference_python(), str(script), str(target), str(root), json.dumps(job)],
-                             capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stderr[-4000:]
+        run_reference(target, root, CHECKPOINTS)
         out[arch] = (root, draft)
     return out
 
@@ -297,3 +303,47 @@ def test_int4_kernel_agrees_keeps_weights_4bit_and_speculation_exact(families, m
         with spec.kv.borrow(len(prompt) + NEW_TOKENS + 1) as blocks:
             d = compare_greedy(outs[1][prompt], outs[0][prompt], runner_logits(target, prompt, blocks=blocks))
         assert d is None or d.near_tie, d
+
+
+@pytest.fixture(scope="module")
+def int4_at_load(families, tmp_path_factory) -> tuple[Path, Path]:
+    """(full-precision target, folder of the same quantized by `--quantization int4` and written out in GPTQ's v2
+    layout, with transformers' greedy references of that checkpoint through GPTQModel)."""
+    from safetensors.torch import save_file
+
+    root, _ = families["qwen3"]
+    src, out = root / "target-qwen3", tmp_path_factory.mktemp("int4")
+    model = load_target(src, CPU, torch.float32, "int4")
+    tensors = load_file(str(src / "model.safetensors"))
+    folder = shutil.copytree(src, out / "int4-at-load")
+    for name, layer in model.named_modules():
+        if isinstance(layer, GptqLinear):
+            del tensors[f"{name}.weight"]
+            tensors.update({f"{name}.{k}": getattr(layer, k).detach().contiguous() for k in layer.storage})
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": False,
+                                     "desc_act": False, "checkpoint_format": "gptq_v2"}
+    (folder / "config.json").write_text(json.dumps(config))
+    run_reference(src, out, {"int4-at-load": {"method": "gptq", "existing": True, "dtype": "float32"}})
+    return src, folder
+
+
+@pytest.mark.parametrize("speculative", [True, False], ids=["dflash", "plain"])
+@pytest.mark.parametrize("backend", ["native", "generic"])
+def test_quantization_int4_at_load_is_a_gptq_checkpoint(families, int4_at_load, backend, speculative):
+    """`--quantization int4` quantizes a full-precision checkpoint while it loads (4-bit codes, a float16 scale and
+    a zero point per 128 inputs, GPTQ's v2 layout): the tensors it holds, written out as a GPTQ checkpoint, are one
+    transformers' GPTQ loading (GPTQModel) reads, and greedy output with and without the draft equals transformers'
+    forward of it. The memory estimate counts them."""
+    from dflash_core.bench import memory as bench_memory
+
+    src, folder = int4_at_load
+    _, draft = families["qwen3"]
+    models = load_models(EngineConfig(str(src), str(draft), backend=backend, speculative=speculative,
+                                      speculation="fixed", device="cpu", quantization="int4", max_model_len=64))
+    assert models.quantization == "gptq int4"
+    assert greedy(models.engine) == reference(folder.parent, folder.name)
+    est = bench_memory.memory_estimate(str(src), str(draft) if speculative else None, dtype="float32", max_model_len=64,
+                                       max_running_requests=models.engine.target.max_slots, quantization="int4")
+    assert est["weights_bytes"] == models.memory.weights

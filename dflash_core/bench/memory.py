@@ -177,10 +177,11 @@ def _model_shape(name: str) -> dict[str, Any]:
     }
 
 
-def _quantization_of(folder: Path, cfg: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint's quantization as the estimate counts it; a format the server does not serve is refused."""
+def _quantization_of(folder: Path | None, cfg: dict[str, Any], load_time: str | None = None) -> dict[str, Any]:
+    """A checkpoint's quantization (or `--quantization load_time`'s) as the estimate counts it; a format the server
+    does not serve is refused."""
     try:
-        spec = quant_spec(checkpoint_quant_config(folder, cfg), None)
+        spec = quant_spec(checkpoint_quant_config(folder, cfg) if folder else None, load_time)
     except ValueError as exc:
         raise BenchError(str(exc)) from None
     if spec is None:
@@ -362,11 +363,9 @@ def memory_estimate(
     t = _model_shape(target)
     d = _model_shape(draft) if draft else None
     if quantization is not None:  # --quantization: a full-precision checkpoint quantized while it loads
-        try:
-            quant_spec(None, quantization)
-        except ValueError as exc:
-            raise BenchError(str(exc)) from None
-    quantization = t.get("quantization") or quantization
+        load_time = _quantization_of(None, {}, quantization)
+        t = t if t.get("quantization") else {**t, **load_time}
+    quantization = t.get("quantization")
     nbytes = DTYPE_BYTES.get(dtype)
     if nbytes is None:
         raise BenchError(f"unknown dtype {dtype!r}; choose {', '.join(DTYPE_BYTES)}")
@@ -464,9 +463,10 @@ def _cell(card: dict[str, Any], length: int, cap: int, backend: str) -> str:
 def _weights_note(row: dict[str, Any]) -> str:
     if row.get("quantization") == "mxfp4":
         return ", target MoE experts in MXFP4"
-    if row.get("quantization") in ("compressed-tensors", "gptq", "awq"):
+    if row.get("quantization") in ("compressed-tensors", "gptq", "awq", "int4"):
         kind = "FP8" if row.get("quantization_layer") == "fp8-channel" else f"int{row['quantization_bits']}"
-        fmt = "compressed-tensors" if row["quantization"] == "compressed-tensors" else row["quantization"].upper()
+        fmt = {"compressed-tensors": "compressed-tensors", "int4": "quantized at load"}.get(
+            row["quantization"], row["quantization"].upper())
         return f", target linear weights {kind} ({fmt})"
     return ", target linear weights in FP8" if row.get("quantization") == "fp8" else ""
 

@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 # --quantization values: what a full-precision checkpoint can be quantized to while it loads
-LOAD_TIME_METHODS = ("fp8",)
+LOAD_TIME_METHODS = ("fp8", "int4")
+# the group of --quantization int4 (the usual GPTQ / AWQ group; torch's int4 GEMM takes it)
+LOAD_TIME_INT4_GROUP = 128
 # the block of --quantization fp8 (Qwen's FP8 checkpoints use 128 x 128)
 LOAD_TIME_BLOCK = (128, 128)
 
@@ -65,7 +67,8 @@ class QuantSpec:
             return f"mxfp4 (MoE experts, {source})"
         if self.layer in ("gptq", "awq"):
             group = f"groups of {self.block[1]}" if self.block else "per-channel scales"
-            return f"{self.layer} int{self.bits} ({group}, {source})"
+            name = "int4" if self.method == "int4" else f"{self.method} int{self.bits}"
+            return f"{name} ({group}, {source})"
         if self.layer == "packed-int":
             group = f"groups of {self.block[1]}" if self.block else "per-channel scales"
             return f"compressed-tensors int{self.bits} ({group}, {source})"
@@ -129,6 +132,8 @@ def quant_spec(qcfg: dict[str, Any] | None, load_time: str | None) -> QuantSpec 
 def _spec(qcfg: dict[str, Any] | None, load_time: str | None) -> QuantSpec | None:
     if load_time is not None and load_time not in LOAD_TIME_METHODS:
         raise ValueError(f"--quantization {load_time!r} is not supported (choose {', '.join(LOAD_TIME_METHODS)})")
+    if qcfg is None and load_time == "int4":  # held as GPTQ's v2 layout, zero points per group
+        return QuantSpec("int4", (1, LOAD_TIME_INT4_GROUP), pre_quantized=False, bits=4, layer="gptq")
     if qcfg is None:
         return QuantSpec(load_time, LOAD_TIME_BLOCK, pre_quantized=False) if load_time else None
     method = method_of(qcfg)

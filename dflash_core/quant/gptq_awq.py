@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from dflash_core.quant.base import GroupedIntLinear
-from dflash_core.quant.packed_int import unpack_uint
+from dflash_core.quant.packed_int import pack_uint, unpack_uint
 
 # AWQ's order of the 8 outputs in a packed word, undone: output k of the 8 is code AWQ_UNDO[k] of the word
 AWQ_UNDO = (0, 4, 1, 5, 2, 6, 3, 7)
@@ -129,3 +129,27 @@ class AwqLinear(_ZeroPointLinear):
 
     def int_groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self._unpack(self.qweight).t(), self._unpack(self.qzeros).t(), self.scales.t()
+
+
+def quantize_int4(weight: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    """`weight` [out, in] as a `GptqLinear` of GPTQ's v2 format holds it (`qweight`, `qzeros`, `scales`, `g_idx`):
+    round to nearest, 4-bit codes with a float16 scale and a zero point per `group` inputs, the group's minimum and
+    maximum (and 0) exactly representable ends (`--quantization int4`)."""
+    out, inputs = weight.shape
+    w = weight.float()
+    g_idx = torch.arange(inputs, device=w.device) // group
+    groups = -(-inputs // group)
+    padded = torch.zeros(out, groups * group, device=w.device)
+    padded[:, :inputs] = w
+    blocks = padded.view(out, groups, group)
+    lo = blocks.amin(-1).clamp(max=0)
+    hi = blocks.amax(-1).clamp(min=0)
+    if inputs % group:  # the last group's padding is not a weight: its range is the real inputs'
+        tail = w[:, (groups - 1) * group:]
+        lo[:, -1], hi[:, -1] = tail.amin(-1).clamp(max=0), tail.amax(-1).clamp(min=0)
+    scales = ((hi - lo) / 15).clamp(min=1e-8).half()
+    zeros = torch.round(-lo / scales.float()).clamp(0, 15)
+    codes = torch.clamp(torch.round(w / scales.float()[:, g_idx]) + zeros[:, g_idx], 0, 15).to(torch.uint8)
+    # qweight: input i of a column at word i // 8 (codes packed along the inputs); qzeros along the outputs
+    return {"qweight": pack_uint(codes, 4).t().contiguous(), "qzeros": pack_uint(zeros.t(), 4),
+            "scales": scales.t().contiguous(), "g_idx": g_idx.to(torch.int32)}

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.core_model_loading import ConversionOps
 from transformers.quantizers import HfQuantizer
 from transformers.quantizers.auto import (
     AUTO_QUANTIZATION_CONFIG_MAPPING,
@@ -36,7 +37,7 @@ from dflash_core.quant.base import QuantizedLinear
 from dflash_core.quant.formats import QuantSpec
 from dflash_core.quant.fp8 import FP8_DTYPE, Fp8Linear
 from dflash_core.quant.fp8_channel import Fp8ChannelLinear
-from dflash_core.quant.gptq_awq import AwqLinear, GptqLinear
+from dflash_core.quant.gptq_awq import AwqLinear, GptqLinear, quantize_int4
 from dflash_core.quant.int8_channel import Int8ChannelLinear
 from dflash_core.quant.mxfp4 import Mxfp4Experts
 from dflash_core.quant.packed_int import PackedIntLinear
@@ -76,16 +77,17 @@ class DFlashQuantizer(HfQuantizer):
         """Nothing to check: the layers run on CPU and CUDA alike (`quant/fp8.py`, `quant/packed_int.py`)."""
 
     def param_needs_quantization(self, model: nn.Module, param_name: str, **kwargs: Any) -> bool:
-        """A full-precision weight read into an FP8 layer is quantized on the way (`--quantization fp8`)."""
+        """A full-precision weight read into an FP8 or int4 layer is quantized on the way (`--quantization`)."""
         if self.pre_quantized:
             return False
         owner, _, name = param_name.rpartition(".")
-        return name == "weight" and isinstance(model.get_submodule(owner), Fp8Linear)
+        return name == "weight" and isinstance(model.get_submodule(owner), (Fp8Linear, GptqLinear))
 
     def get_quantize_ops(self) -> Any:
         from transformers.integrations.finegrained_fp8 import Fp8Quantize
 
-        return Fp8Quantize(self)
+        return Int4Quantize(self.quantization_config.group_size) if self.quantization_config.layer == "gptq" else (
+            Fp8Quantize(self))
 
     def _layer(self, linear: nn.Linear) -> nn.Module | None:
         """`linear`'s quantized replacement (on the skeleton's device), or None where it stays as it is."""
@@ -95,8 +97,11 @@ class DFlashQuantizer(HfQuantizer):
             return PackedIntLinear(linear.in_features, linear.out_features, qc.bits, qc.group_size,
                                    linear.bias is not None, dtype, device)
         if qc.layer == "gptq":
-            return GptqLinear(linear.in_features, linear.out_features, qc.bits, qc.group_size, linear.bias is not None,
-                              dtype, qc.zero_offset, device)
+            layer = GptqLinear(linear.in_features, linear.out_features, qc.bits, qc.group_size,
+                               linear.bias is not None, dtype, qc.zero_offset, device)
+            if not self.pre_quantized:  # --quantization int4: where transformers reads the full-precision weight
+                layer.weight = nn.Parameter(torch.empty_like(linear.weight, dtype=dtype), requires_grad=False)
+            return layer
         if qc.layer == "awq":
             return AwqLinear(linear.in_features, linear.out_features, qc.bits, qc.group_size, linear.bias is not None,
                              dtype, device)
@@ -184,6 +189,8 @@ class DFlashQuantizer(HfQuantizer):
                 raise RuntimeError(f"transformers loaded {module.weight.dtype} weights into an FP8 layer")
             if isinstance(module, Int8ChannelLinear) and module.weight.dtype != torch.int8:
                 raise RuntimeError(f"transformers loaded {module.weight.dtype} weights into an int8 layer")
+            if isinstance(module, GptqLinear) and "weight" in module._parameters:
+                del module._parameters["weight"]  # --quantization int4's placeholder, emptied by `Int4Quantize`
             if isinstance(module, (QuantizedLinear, Mxfp4Experts)):
                 module.requires_grad_(False)  # served, never trained (the loader hands back trainable parameters)
         return model
@@ -194,6 +201,26 @@ class DFlashQuantizer(HfQuantizer):
     @property
     def is_trainable(self) -> bool:
         return False
+
+
+class Int4Quantize(ConversionOps):
+    """`--quantization int4`: each full-precision weight, as transformers reads it, into a `GptqLinear`'s tensors
+    (`quantize_int4`); other tensors pass through."""
+
+    def __init__(self, group: int) -> None:
+        self.group = group
+
+    def convert(self, input_dict: dict[str, Any], **kwargs: Any) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for key, value in input_dict.items():
+            value = value[0] if isinstance(value, list) else value
+            if key.endswith(".weight") and value.ndim == 2:
+                prefix = key.removesuffix(".weight")
+                out.update({f"{prefix}.{k}": v for k, v in quantize_int4(value, self.group).items()})
+                out[key] = value.new_empty(0)  # the placeholder the weight was read into, emptied
+            else:
+                out[key] = value
+        return out
 
 
 def _model_keys(model: nn.Module, checkpoint_modules: tuple[str, ...]) -> dict[str, str]:

@@ -34,6 +34,18 @@ def unpack_uint(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
     return values[:, :columns]
 
 
+def pack_uint(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """`unpack_uint`'s inverse: [rows, columns] unsigned `bits`-bit codes -> [rows, ceil(columns * bits / 32)] int32
+    (code i of a row at bit i * bits, words little-endian; a last word's unused codes zero)."""
+    per_word = 32 // bits
+    rows, columns = codes.shape
+    padded = torch.zeros(rows, -(-columns // per_word) * per_word, dtype=torch.int64, device=codes.device)
+    padded[:, :columns] = codes.to(torch.int64)
+    shifts = torch.arange(0, 32, bits, device=codes.device)
+    words = (padded.view(rows, -1, per_word) << shifts).sum(-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
 def unpack_int32(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
     """[rows, words] int32 of densely packed `bits`-bit values (offset by 2^(bits-1)) -> [rows, columns] int8."""
     return (unpack_uint(packed, bits, columns).to(torch.int16) - (1 << (bits - 1))).to(torch.int8)
