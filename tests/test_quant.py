@@ -327,10 +327,12 @@ def test_other_refusals_are_one_line(fp8_pair, tmp_path):
             load_target(path, CPU, torch.float32)
     with pytest.raises(ValueError, match="^Qwen/Qwen3-8B-GGUF: GGUF is llama.cpp's format"):
         load_target("Qwen/Qwen3-8B-GGUF", CPU, torch.float32)  # refused before any download
-    with pytest.raises(ValueError, match="quantization must be one of fp8, got 'int4'"):
-        EngineConfig(quantization="int4")
-    with pytest.raises(ValueError, match="--quantization 'int4' is not supported"):
-        quant_spec(None, "int4")
+    with pytest.raises(ValueError, match="quantization must be one of fp8, int4, got 'int8'"):
+        EngineConfig(quantization="int8")
+    with pytest.raises(ValueError, match="--quantization 'nf4' is not supported"):
+        quant_spec(None, "nf4")
+    with pytest.raises(ValueError, match="already quantized with gptq; drop --quantization int4"):
+        quant_spec({"quant_method": "gptq", "bits": 4}, "int4")
     assert quant_spec({"quant_method": "fp8", "weight_block_size": [128, 128]}, "fp8").pre_quantized
     with pytest.raises(ValueError, match="already quantized with compressed-tensors; drop --quantization fp8"):
         quant_spec({"quant_method": "compressed-tensors"}, "fp8")
