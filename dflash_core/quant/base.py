@@ -72,6 +72,38 @@ class GroupedIntLinear(QuantizedLinear):
             tensor.data = tensor.new_empty(0)
 
 
+class ChannelScaledLinear(QuantizedLinear):
+    """A layer of one-byte values (`value_dtype`: FP8 or int8) with a scale per output channel (or per tensor),
+    optionally quantizing its input per token in each forward (`dynamic_activations`); parameter names as
+    compressed-tensors' checkpoints: `weight`, `weight_scale`, `bias`. `kind` names the values in its repr."""
+
+    value_dtype: torch.dtype
+    kind: str
+
+    def __init__(
+        self, in_features: int, out_features: int, per_tensor: bool, dynamic_activations: bool, bias: bool,
+        dtype: torch.dtype, device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.compute_dtype, self.dynamic_activations = dtype, dynamic_activations
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=self.value_dtype, device=device),
+                                   requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty((1,) if per_tensor else (out_features, 1), dtype=dtype,
+                                                     device=device), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
+                                 requires_grad=False) if bias else None
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight in the compute dtype: the values times their channel's scale, in the scale's dtype."""
+        return (self.weight.to(self.weight_scale.dtype) * self.weight_scale).to(self.compute_dtype)
+
+    def extra_repr(self) -> str:
+        acts = f"{self.kind} per token" if self.dynamic_activations else "full precision"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} weights, "
+                f"activations {acts}")
+
+
 class QuantKernel(ABC):
     """A device kernel for one kind of quantized layer."""
 

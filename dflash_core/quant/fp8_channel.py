@@ -15,9 +15,8 @@ and per-channel scales, once a probe on the device has checked it (`quant/base.p
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from dflash_core.quant.base import Product, QuantizedLinear, QuantKernel
+from dflash_core.quant.base import ChannelScaledLinear, Product, QuantizedLinear, QuantKernel
 from dflash_core.quant.fp8 import FP8_DTYPE, FP8_MAX
 
 # the kernel's relative error against the fake-quantized product it stands in for: the same FP8 values, summed in
@@ -43,34 +42,15 @@ def fake_quantize_tokens(x: torch.Tensor) -> torch.Tensor:
     return (q.to(scale.dtype) * scale).to(x.dtype)
 
 
-class Fp8ChannelLinear(QuantizedLinear):
+class Fp8ChannelLinear(ChannelScaledLinear):
     """A linear layer with FP8 weights and a scale per output channel (or per tensor), optionally quantizing its
     input to FP8 per token; parameter names as compressed-tensors' checkpoints: `weight`, `weight_scale`, `bias`."""
 
-    def __init__(
-        self, in_features: int, out_features: int, per_tensor: bool, dynamic_activations: bool, bias: bool,
-        dtype: torch.dtype, device: torch.device | str | None = None,
-    ) -> None:
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.compute_dtype, self.dynamic_activations = dtype, dynamic_activations
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
-                                   requires_grad=False)
-        self.weight_scale = nn.Parameter(torch.empty((1,) if per_tensor else (out_features, 1), dtype=dtype,
-                                                     device=device), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
-                                 requires_grad=False) if bias else None
-
-    def dequantized(self) -> torch.Tensor:
-        """The weight in the compute dtype: FP8 values times their channel's scale, in the scale's dtype."""
-        return (self.weight.to(self.weight_scale.dtype) * self.weight_scale).to(self.compute_dtype)
+    value_dtype = FP8_DTYPE
+    kind = "fp8"
 
     def activations(self, x: torch.Tensor) -> torch.Tensor:
         return fake_quantize_tokens(x) if self.dynamic_activations else x
-
-    def extra_repr(self) -> str:
-        acts = "fp8 per token" if self.dynamic_activations else "full precision"
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 weights, activations {acts}"
 
 
 class RowWiseFp8Kernel(QuantKernel):

@@ -33,7 +33,7 @@ from transformers.quantizers.base import get_keys_to_not_convert
 from transformers.quantizers.quantizers_utils import should_convert_module
 from transformers.utils.quantization_config import FineGrainedFP8Config
 
-from dflash_core.quant.base import QuantizedLinear
+from dflash_core.quant.base import ChannelScaledLinear, QuantizedLinear
 from dflash_core.quant.formats import QuantSpec
 from dflash_core.quant.fp8 import FP8_DTYPE, Fp8Linear
 from dflash_core.quant.fp8_channel import Fp8ChannelLinear
@@ -185,10 +185,10 @@ class DFlashQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
         for module in model.modules():
-            if isinstance(module, (Fp8Linear, Fp8ChannelLinear)) and module.weight.dtype != FP8_DTYPE:
-                raise RuntimeError(f"transformers loaded {module.weight.dtype} weights into an FP8 layer")
-            if isinstance(module, Int8ChannelLinear) and module.weight.dtype != torch.int8:
-                raise RuntimeError(f"transformers loaded {module.weight.dtype} weights into an int8 layer")
+            expected = FP8_DTYPE if isinstance(module, Fp8Linear) else (
+                module.value_dtype if isinstance(module, ChannelScaledLinear) else None)
+            if expected is not None and module.weight.dtype != expected:
+                raise RuntimeError(f"transformers loaded {module.weight.dtype} weights into a {expected} layer")
             if isinstance(module, GptqLinear) and "weight" in module._parameters:
                 del module._parameters["weight"]  # --quantization int4's placeholder, emptied by `Int4Quantize`
             if isinstance(module, (QuantizedLinear, Mxfp4Experts)):
@@ -330,9 +330,8 @@ def weights_format(model: nn.Module) -> str | None:
             return "fp8"
         if isinstance(module, PackedIntLinear):
             return f"compressed-tensors int{module.bits}"
-        if isinstance(module, (Fp8ChannelLinear, Int8ChannelLinear)):
-            kind = "fp8" if isinstance(module, Fp8ChannelLinear) else "int8"
-            return f"compressed-tensors {kind}" + (" (W8A8)" if module.dynamic_activations else "")
+        if isinstance(module, ChannelScaledLinear):
+            return f"compressed-tensors {module.kind}" + (" (W8A8)" if module.dynamic_activations else "")
         if isinstance(module, Mxfp4Experts):
             return "mxfp4 (MoE experts)"
         if isinstance(module, (GptqLinear, AwqLinear)):
