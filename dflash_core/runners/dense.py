@@ -22,10 +22,11 @@ from torch import nn
 
 from dflash_core.layers import apply_rope, pack_linears, rms_norm
 
-__all__ = ["DenseLayer", "dense_layer"]
+__all__ = ["DenseLayer", "dense_layer", "norm_eps"]
 
 
-def _eps(norm: nn.Module) -> float:
+def norm_eps(norm: nn.Module) -> float:
+    """An RMSNorm module's epsilon (transformers names it `variance_epsilon`, torch `eps`)."""
     for name in ("variance_epsilon", "eps"):
         value = getattr(norm, name, None)
         if isinstance(value, float):
@@ -52,7 +53,7 @@ class DenseLayer(nn.Module):
         self.heads, self.kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.norm_in, self.norm_post = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
-        self.eps = _eps(layer.input_layernorm)
+        self.eps = norm_eps(layer.input_layernorm)
         self.qkv, self.qkv_bias = pack_linears([attn.q_proj, attn.k_proj, attn.v_proj])
         self.o, self.o_bias = attn.o_proj.weight, attn.o_proj.bias
         # [heads + kv_heads, d]: q_norm's weight for each query head, then k_norm's for each key head (Qwen3; Llama
@@ -61,7 +62,7 @@ class DenseLayer(nn.Module):
         self.qk_eps = 0.0
         qk_norm = None
         if hasattr(attn, "q_norm"):
-            self.qk_eps = _eps(attn.q_norm)
+            self.qk_eps = norm_eps(attn.q_norm)
             qk_norm = torch.cat([attn.q_norm.weight.detach().expand(num_heads, head_dim),
                                  attn.k_norm.weight.detach().expand(num_kv_heads, head_dim)])
         self.register_buffer("qk_norm", qk_norm)

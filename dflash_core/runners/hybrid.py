@@ -122,6 +122,7 @@ class HybridTarget(NativeTarget):
     ragged = False  # the Gated DeltaNet mixers run per row over [b, n]
     verifies_trees = False  # a recurrent state follows one sequence, not a node's ancestors
     packs_layers = False  # its own mixers (`_mix`) run every layer
+    fuses_cpu_step = False
     prefix_cacheable = True  # a hit resumes from a state checkpoint at its last block (see the module docstring)
     checkpointing = False  # keep each request's state at its last block boundary (the KV manager turns it on)
     _chunked = False  # the running forward is a prefill (logits of its last row only): the chunked rule

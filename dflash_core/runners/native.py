@@ -33,6 +33,7 @@ from torch import nn
 from dflash_core.attention import PagedAttention, prepare, write_kv
 from dflash_core.compat import rotary_positions
 from dflash_core.compile import StaticShapes
+from dflash_core.cpu_step.fused import FusedCpuStep, fused_cpu_step, lay_out_for_fused_step
 from dflash_core.families import NATIVE_MODEL_TYPES, rope_reads_the_batch
 from dflash_core.kv.pool import DEFAULT_KV_BLOCK
 from dflash_core.layers import apply_rope
@@ -96,6 +97,8 @@ class NativeTarget(PagedTarget):
     ragged = True  # eager rows of different lengths run unpadded (subclasses whose mixers need [b, n]: False)
     verifies_trees = True  # attention alone: a tree's nodes see their ancestors by mask (hybrids: False)
     packs_layers = True  # self-attention layers run as `DenseLayer`s (subclasses with their own mixers: False)
+    fuses_cpu_step = True  # float32 on a CPU, forwards run as one C call (`dflash_core/cpu_step/`; subclasses
+    # whose layers mix tokens otherwise: False)
 
     def __init__(
         self, model: nn.Module, layer_ids: list[int] | None, max_slots: int, max_len: int,
@@ -123,6 +126,8 @@ class NativeTarget(PagedTarget):
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self._init_paging(max_slots, max_len, num_blocks, kv_block)
+        if self.fuses_cpu_step and static is None:
+            lay_out_for_fused_step(model, self.device, self.dtype)  # before packing: the packs keep the layout
         # each plain self-attention layer as packed weights and a few tensor ops (None: the layer's modules run it)
         self.dense: list[DenseLayer | None] = (
             [dense_layer(layer, self.num_heads, self.num_kv_heads, self.head_dim) for layer in self.layers]
@@ -133,10 +138,13 @@ class NativeTarget(PagedTarget):
         elem = torch.empty((), dtype=self.dtype).element_size()
         self.kv_bytes_per_block = 2 * len(self.k_cache) * kv_block * self.num_kv_heads * self.head_dim * elem
         self._static_step: Any = None
+        self._fused: FusedCpuStep | None = None
         if static is not None:
             from dflash_core.runners.native_static import StaticStep  # it builds on this module's Batch
 
             self._static_step = StaticStep(self, static)
+        elif self.fuses_cpu_step:
+            self._fused = fused_cpu_step(self)
 
     def _allocate(self) -> None:
         """The KV cache: per layer, one key and one value tensor `[num_blocks * kv_block, kv_heads, head_dim]`."""
@@ -156,6 +164,16 @@ class NativeTarget(PagedTarget):
     @property
     def compiled_steps(self) -> bool:
         return self.static is not None
+
+    @property
+    def cpu_step(self) -> str:
+        """What runs the forwards on a CPU: "fused" (one C call, `dflash_core/cpu_step/`) or "torch"."""
+        return "fused" if self._fused is not None else "torch"
+
+    @property
+    def fused_step(self) -> FusedCpuStep | None:
+        """The fused CPU step that runs this runner's forwards, or None."""
+        return self._fused
 
     @property
     def embed_weight(self) -> torch.Tensor:
@@ -259,6 +277,8 @@ class NativeTarget(PagedTarget):
         A decode step that fits a static bucket runs the static (compiled) step. Raises ValueError when a row
         starts past its cache's length or its blocks do not cover its positions."""
         self._check(rows)
+        if self._fused is not None and self._fused.serves(rows, last_only):
+            return self._fused.forward(rows, features, last_only)
         if self._static_step is not None and not last_only:
             static = self._static_step.run(rows, features)
             if static is not None:

@@ -1,0 +1,1 @@
+"""The native target's forward on a CPU as one compiled C call (`fused.py`, built by `build.py`)."""

@@ -1,0 +1,223 @@
+"""The native target's forward on a CPU as ONE call into `fused_step.c`: `FusedCpuStep`.
+
+Serves `NativeTarget.forward_batch` (prefill, plain steps, verify blocks, any mix of requests; trees keep the
+PyTorch forward) where the target runs in float32 on a CPU with every layer a packed `DenseLayer` with its SiLU
+MLP and weights stored input-major. Each request's tokens run unpadded; the C code writes each token's keys and
+values into the runner's own paged cache tensors and attends through the request's block table, so the two
+forwards can take turns on one cache. The call releases the GIL: the HTTP side runs on another core meanwhile.
+
+`DFLASH_CPU_STEP` picks it: `auto` (default: fused where it applies and builds), `fused` (fail at start-up where it
+cannot), `torch` (never). Why it exists, and what it gains: docs/benchmarks.md ("Side by side with llama.cpp").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from array import array
+from typing import TYPE_CHECKING
+
+import torch
+
+from dflash_core.cpu_step.build import CpuStepUnavailable, load_library
+from dflash_core.runners.base import TargetOutput
+from dflash_core.runners.dense import norm_eps
+from dflash_core.weight_layout import is_input_major, store_input_major, stores_input_major
+
+if TYPE_CHECKING:
+    from dflash_core.runners.native import NativeTarget
+    from dflash_core.runners.paged import Rows
+
+__all__ = ["CPU_STEP_ENV", "CPU_STEP_MODES", "FUSED_PREFILL_TOKENS", "FusedCpuStep", "cpu_step_mode", "fused_cpu_step",
+           "lay_out_for_fused_step", "unsupported"]
+
+log = logging.getLogger("dflash.cpu_step")
+
+CPU_STEP_ENV = "DFLASH_CPU_STEP"
+# a prefill forward of more tokens than this runs the PyTorch forward: its attention (SDPA) and matrix products
+# (MKL) win on long prompts, where per-op overhead no longer counts (measured on the demo target at 1 thread: equal
+# at 256 tokens, the fused step 1.6x slower at 1,000 and 2.1x at 1,900)
+FUSED_PREFILL_TOKENS = 256
+CPU_STEP_MODES = ("auto", "fused", "torch")
+
+_f = ctypes.POINTER(ctypes.c_float)
+_i = ctypes.POINTER(ctypes.c_int64)
+_i64 = ctypes.c_int64
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(n, _f) for n in ("norm_in", "norm_post", "qkv", "qkv_bias", "qk_norm", "o", "o_bias", "gate_up",
+                                  "down", "k_cache", "v_cache")]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [*((n, _i64) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter", "layers", "vocab",
+                                      "rot_dim", "kv_block", "max_pos")),
+                ("eps", ctypes.c_float), ("qk_eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("embed", _f), ("embed_row", _i64), ("embed_col", _i64), ("final_norm", _f), ("lm_head", _f),
+                ("cos", _f), ("sin", _f), ("layer", ctypes.POINTER(_Layer))]
+
+
+class _Batch(ctypes.Structure):
+    _fields_ = [("tokens", _i64), ("ids", _i), ("pos", _i), ("seq", _i), ("tables", _i), ("requests", _i64),
+                ("table_len", _i64), ("key_rows", _i), ("context", _i64),
+                ("hidden_ids", _i), ("n_hidden", _i64), ("features", _f), ("head_rows", _i), ("n_head", _i64),
+                ("logits", _f), ("scratch", _f)]
+
+
+def cpu_step_mode() -> str:
+    """`DFLASH_CPU_STEP`'s value: auto (default), fused or torch."""
+    mode = os.environ.get(CPU_STEP_ENV, "").strip().lower() or "auto"
+    if mode not in CPU_STEP_MODES:
+        raise ValueError(f"{CPU_STEP_ENV}={mode!r}: expected one of {', '.join(CPU_STEP_MODES)}")
+    return mode
+
+
+def lay_out_for_fused_step(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Store `model`'s linear weights input-major where the fused step may run it (float32 on a CPU, not turned
+    off), as the loader does for every served CPU float32 model: a runner built on a model from elsewhere (a test,
+    the Python API) gets the fused step too. In place, values unchanged; idempotent."""
+    if cpu_step_mode() != "torch" and stores_input_major(device, dtype):
+        store_input_major(model)
+
+
+def unsupported(target: NativeTarget) -> str | None:
+    """Why the fused step cannot run `target`, or None when it can."""
+    if target.device.type != "cpu" or target.dtype != torch.float32:
+        return f"it runs float32 on a CPU (the target is {target.dtype} on {target.device.type})"
+    for li, dense in enumerate(target.dense):
+        if dense is None or dense.mlp is not None:
+            return f"layer {li} is not a plain attention layer with a SiLU-gated MLP"
+        if not all(is_input_major(w) for w in (dense.qkv, dense.o, dense.gate_up, dense.down)):
+            return f"layer {li}'s weights are not stored input-major"
+    if not is_input_major(target.lm_head_weight) or target.lm_head.bias is not None:
+        return "the output head is not stored input-major, or has a bias"
+    if target.embed_weight.dim() != 2:
+        return "an embedding that is not one matrix"
+    return None
+
+
+def _ptr(t: torch.Tensor | None) -> ctypes._Pointer | None:  # type: ignore[type-arg]
+    return None if t is None else ctypes.cast(t.data_ptr(), _f)
+
+
+class FusedCpuStep:
+    """`target`'s forward (a `NativeTarget` that `unsupported` accepts) as one C call per forward."""
+
+    def __init__(self, target: NativeTarget, lib: ctypes.CDLL) -> None:
+        self.target = target
+        self._forward = lib.dflash_forward
+        self._forward.restype = ctypes.c_int64
+        self._forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Batch)]
+        self._scratch_floats = lib.dflash_scratch_floats
+        self._scratch_floats.restype = ctypes.c_int64
+        self._scratch_floats.argtypes = [ctypes.POINTER(_Model), ctypes.c_int64, ctypes.c_int64]
+        with torch.inference_mode():
+            # the rotary table of every position: cos / sin [max_len, r] (scaled as the model's own module scales)
+            positions = torch.arange(target.max_len, device=target.device)[None]
+            probe = torch.zeros(1, dtype=target.dtype, device=target.device)
+            cos, sin = target.rotary(probe, positions)
+        self._cos, self._sin = cos[0].float().contiguous(), sin[0].float().contiguous()
+        rot = int(self._cos.shape[-1])
+        if rot % 2 or rot > target.head_dim:
+            raise CpuStepUnavailable(f"a rotary table of {rot} dims for heads of {target.head_dim}")
+        self._keep: list[torch.Tensor] = [self._cos, self._sin]  # what the C structs point into stays alive
+        layers = (_Layer * target.num_layers)()
+        for li, dense in enumerate(target.dense):
+            assert dense is not None
+            kc, vc = target.layer_kv(li)
+            if not (kc.is_contiguous() and vc.is_contiguous()):
+                raise CpuStepUnavailable("KV cache tensors that are not contiguous")
+            qk_norm = None if dense.qk_norm is None else dense.qk_norm.contiguous()
+            parts = (dense.norm_in, dense.norm_post, dense.qkv, dense.qkv_bias, qk_norm, dense.o, dense.o_bias,
+                     dense.gate_up, dense.down, kc, vc)
+            self._keep += [p for p in parts if p is not None]
+            layers[li] = _Layer(*(_ptr(p) for p in parts))
+        eps = norm_eps(target.norm)
+        embed = target.embed_weight
+        self.model = _Model(
+            target.hidden_size, target.num_heads, target.num_kv_heads, target.head_dim,
+            int(target.dense[0].intermediate), target.num_layers, target.vocab_size, rot,  # type: ignore[union-attr]
+            target.kv_block_size, target.max_len, target.dense[0].eps, target.dense[0].qk_eps,  # type: ignore[union-attr]
+            target.scaling, _ptr(embed), embed.stride(0), embed.stride(1), _ptr(target.norm.weight),
+            _ptr(target.lm_head_weight), _ptr(self._cos), _ptr(self._sin), layers)
+        if any(abs(d.eps - eps) > 0 for d in target.dense if d is not None):
+            raise CpuStepUnavailable("layers whose norms have different epsilons")
+        self._layers = layers
+        self._keep += [embed, target.norm.weight, target.lm_head_weight]
+        self._scratch = torch.empty(0)
+
+    def _scratch_for(self, tokens: int, context: int) -> torch.Tensor:
+        need = int(self._scratch_floats(ctypes.byref(self.model), tokens, context))
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(max(need, 2 * self._scratch.numel()), dtype=torch.float32)
+        return self._scratch
+
+    @staticmethod
+    def serves(rows: Rows, last_only: bool) -> bool:
+        """Whether this forward runs here: every decode and verify step, and prefills up to
+        `FUSED_PREFILL_TOKENS` tokens."""
+        return not last_only or sum(len(t) for t, _, _ in rows) <= FUSED_PREFILL_TOKENS
+
+    def forward(self, rows: Rows, features: bool, last_only: bool) -> list[TargetOutput]:
+        """`NativeTarget.forward_batch` of `rows` (checked by the caller): logits [n, V] of each row's tokens
+        (last_only: of its last), and its draft features when asked."""
+        t = self.target
+        kvb = t.kv_block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        seq: list[int] = []
+        heads: list[int] = []
+        for r, (tokens, start, _cache) in enumerate(rows):
+            ids += tokens
+            pos += range(start, start + len(tokens))
+            seq += [r] * len(tokens)
+            heads += [len(ids) - 1] if last_only else range(len(ids) - len(tokens), len(ids))
+        context = max(pos) + 1
+        width = -(-context // kvb)
+        tables = [b for _, _, cache in rows for b in (list(cache.blocks[:width]) + [0] * width)[:width]]
+        hidden = [i + 1 for i in t.layer_ids] if features else []
+        T = len(ids)
+        ints = array("q", ids + pos + seq + tables + hidden + heads)
+        ints.frombytes(bytes(8 * len(rows) * context))  # the key rows the C code fills: [requests, context]
+        base = ints.buffer_info()[0]
+        size = ints.itemsize
+
+        def at(offset: int) -> ctypes._Pointer:  # type: ignore[type-arg]
+            return ctypes.cast(base + offset * size, _i)
+
+        logits = torch.empty(len(heads), t.vocab_size, dtype=torch.float32)
+        feat = torch.empty(T, len(hidden) * t.hidden_size, dtype=torch.float32) if hidden else None
+        o_tab = 3 * T
+        o_hid = o_tab + len(tables)
+        o_heads = o_hid + len(hidden)
+        batch = _Batch(T, at(0), at(T), at(2 * T), at(o_tab), len(rows), width, at(o_heads + len(heads)), context,
+                       at(o_hid), len(hidden), _ptr(feat), at(o_heads), len(heads), _ptr(logits),
+                       _ptr(self._scratch_for(T, context)))
+        self.run_kernel(batch)
+        return t._split_rows(rows, logits, feat, last_only)
+
+    def run_kernel(self, batch: _Batch) -> None:
+        """The C call itself (`dflash-bench profile` times it apart from the Python around it)."""
+        if self._forward(ctypes.byref(self.model), ctypes.byref(batch)) != 0:
+            raise ValueError(f"a position beyond the rotary table ({self.target.max_len})")
+
+
+def fused_cpu_step(target: NativeTarget) -> FusedCpuStep | None:
+    """The fused step for `target` as `DFLASH_CPU_STEP` asks: None where it is off, or (auto) where it does not
+    apply or cannot be built (logged once); `fused` raises a ValueError with the reason instead."""
+    mode = cpu_step_mode()
+    if mode == "torch":
+        return None
+    reason = unsupported(target)
+    if reason is None:
+        try:
+            return FusedCpuStep(target, load_library())
+        except CpuStepUnavailable as e:
+            reason = str(e)
+    if mode == "fused":
+        raise ValueError(f"{CPU_STEP_ENV}=fused: the fused CPU step cannot run this target: {reason}")
+    if target.device.type == "cpu":
+        log.info("fused CPU step off: %s (the PyTorch forward runs)", reason)
+    return None
