@@ -13,6 +13,7 @@ from dflash_core.cpu_step import build
 from dflash_core.cpu_step.fused import CPU_STEP_ENV, FUSED_PREFILL_TOKENS, FusedCpuStep
 from dflash_core.llm import LLM
 from dflash_core.runners.base import TargetRow
+from dflash_core.runners.drafter import Asked
 from dflash_core.runners.native import NativeTarget
 from dflash_core.sampling import SamplingParams
 from tests.helpers import make_target
@@ -164,3 +165,33 @@ def test_the_library_is_built_once_per_machine(monkeypatch, tmp_path):
     assert len(built) == 1
     assert build.load_library() is lib
     assert list(tmp_path.glob("fused_step-*.so")) == built
+
+
+def test_fused_draft_proposes_as_the_pytorch_draft():
+    """The demo pair's drafter: proposals of two requests (different block widths and pending context, some of it
+    written by the PyTorch forward before) from the fused draft equal the PyTorch draft's, tokens and confidences,
+    and so do the top candidates a tree asks for."""
+    llm = LLM(device="cpu", speculative=True)
+    target, drafter = llm.engine.target, llm.engine.drafter
+    assert target.cpu_step == "fused" and drafter.fused_step is not None
+    prompts = [llm.encode("Write a poem about the sea."), llm.encode([{"role": "user", "content": "Hi! 2+2?"}])]
+    items, pending = [], []
+    for slot, (prompt, n) in enumerate(zip(prompts, (15, 6))):
+        blocks = list(range(1 + 20 * slot, 21 + 20 * slot))
+        out = target.forward_batch([TargetRow(prompt, 0, target.new_cache(slot, blocks))], features=True)[0]
+        state = drafter.new_state(slot, prompt, blocks=blocks)
+        drafter.extend_context(state, out.features)  # rows beyond a block's worth are written now, by PyTorch
+        items.append((state, int(out.logits[-1].argmax()), len(prompt), n))
+        pending.append(torch.cat(state.pending))
+    n_ctx = max(p.shape[0] for p in pending)
+    fused_step = drafter.fused_step
+    fused = drafter._propose_paged(items, pending, n_ctx, Asked(candidates=3))
+    drafter._fused = None  # the same proposal through the PyTorch draft (it rewrites the same context rows)
+    try:
+        eager = drafter._propose_paged(items, pending, n_ctx, Asked(candidates=3))
+    finally:
+        drafter._fused = fused_step
+    for f, e in zip(fused, eager, strict=True):
+        assert f.tokens == e.tokens and len(f.tokens) > 0
+        torch.testing.assert_close(torch.tensor(f.confidence), torch.tensor(e.confidence), rtol=1e-4, atol=1e-5)
+        assert f.candidates is not None and e.candidates is not None and f.candidates[0] == e.candidates[0]

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from dflash_core.config import EngineConfig
+from dflash_core.cpu_step.fused import CPU_STEP_ENV
 from dflash_core.draft import DFlashDraft
 from dflash_core.engine import Engine
 from dflash_core.loading import LoadedModels, load_models
@@ -144,8 +145,9 @@ class FailingDraft:
 
 
 @pytest.mark.parametrize("after", [False, True], ids=["before-forward", "after-forward"])
-def test_failed_draft_forward_consumes_nothing(demo, after):
+def test_failed_draft_forward_consumes_nothing(demo, after, monkeypatch):
     """One failure inside a batched draft call: after the retry, every request drafts exactly as without it."""
+    monkeypatch.setenv(CPU_STEP_ENV, "torch")  # the failure is injected into the PyTorch draft module
     prompts = demo_prompts(demo, 3)
 
     def run(drafter: DFlashDrafter) -> tuple[dict, RecordingDrafter]:

@@ -40,20 +40,22 @@ from dflash_core.bench.serving_paths import (
 from dflash_core.cli_help import HelpFormatter
 
 PHASES = ("target", "draft", "sampling", "detokenizer")
-CATEGORIES = ("ops: matmul", "ops: attention", "ops: norms+elementwise", "ops: fused CPU step", "py: target forward",
-              "py: draft",
+CATEGORIES = ("ops: matmul", "ops: attention", "ops: norms+elementwise", "ops: fused target (C)",
+              "ops: fused draft (C)",
+              "py: target forward", "py: draft",
               "py: sampling", "py: detokenizer", "py: engine rest")
 _MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "aten::baddbmm"}
 _ATTENTION = {"aten::index_select", "aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
 _LABEL = "dflash::"
-_FUSED = "fused_cpu_step"  # the fused CPU step's C call, recorded as one operator
+# the fused CPU steps' C calls (`dflash_core/cpu_step/`), each recorded as one operator
+_FUSED = {"fused_target_step": "ops: fused target (C)", "fused_draft_step": "ops: fused draft (C)"}
 
 
 def op_category(name: str) -> str:
-    """An operator's category: matmul, attention (scaled dot product and the KV gathers / scatters), the fused CPU
-    step's C call (`dflash_core/cpu_step/`: a whole target forward) or the rest."""
-    if name == _FUSED:
-        return "ops: fused CPU step"
+    """An operator's category: matmul, attention (scaled dot product and the KV gathers / scatters), a fused CPU
+    step's C call (`dflash_core/cpu_step/`: a whole target or draft forward) or the rest."""
+    if name in _FUSED:
+        return _FUSED[name]
     if name in _MATMUL:
         return "ops: matmul"
     if "scaled_dot_product" in name or name in _ATTENTION:
@@ -61,11 +63,11 @@ def op_category(name: str) -> str:
     return "ops: norms+elementwise"
 
 
-def _labelled(fn: Callable[..., Any], label: str | None) -> Callable[..., Any]:
-    """`fn` inside a profiler range named `dflash::label` (None: the fused step's operator range)."""
+def _labelled(fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+    """`fn` inside a profiler range named `dflash::label` (a fused step's operator: its own name)."""
     import torch
 
-    name = _FUSED if label is None else _LABEL + label
+    name = label if label in _FUSED else _LABEL + label
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         with torch.profiler.record_function(name):
@@ -78,14 +80,18 @@ def _labelled(fn: Callable[..., Any], label: str | None) -> Callable[..., Any]:
 def _phase_labels(engine: Any) -> Iterator[None]:
     """Label the target forward, the drafter and sampling (the engine's module-level choosers) for one pass."""
     import dflash_core.engine as engine_mod
+    from dflash_core.runners.drafter import DFlashDrafter
     from dflash_core.runners.native import NativeTarget
 
     patched = [(engine.target, "forward_batch", "target"), (engine.target, "forward_tree", "target")]
     fused = engine.target.fused_step if isinstance(engine.target, NativeTarget) else None
     if fused is not None:  # its C call as an operator of its own, inside the target's phase
-        patched.append((fused, "run_kernel", None))
+        patched.append((fused, "run_kernel", "fused_target_step"))
     if engine.drafter is not None:
         patched += [(engine.drafter, "propose_scored", "draft"), (engine.drafter, "extend_context", "draft")]
+        fused_draft = engine.drafter.fused_step if isinstance(engine.drafter, DFlashDrafter) else None
+        if fused_draft is not None:
+            patched.append((fused_draft, "run_kernel", "fused_draft_step"))
     for obj, name, label in patched:
         setattr(obj, name, _labelled(getattr(obj, name), label))  # an instance attribute over the method
     saved = {name: getattr(engine_mod, name) for name in ("step_choices", "choose_tokens")}

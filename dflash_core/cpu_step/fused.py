@@ -16,21 +16,20 @@ import ctypes
 import logging
 import os
 from array import array
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
-from dflash_core.cpu_step.build import CpuStepUnavailable, load_library
+from dflash_core.cpu_step.abi import Batch, LayerTensors, ModelView, bound_library, float_ptr, int_ptr
+from dflash_core.cpu_step.build import CpuStepUnavailable
 from dflash_core.runners.base import TargetOutput
-from dflash_core.runners.dense import norm_eps
+from dflash_core.runners.dense import DenseLayer, norm_eps
+from dflash_core.runners.paged import PagedTarget, Rows
 from dflash_core.weight_layout import is_input_major, store_input_major, stores_input_major
 
-if TYPE_CHECKING:
-    from dflash_core.runners.native import NativeTarget
-    from dflash_core.runners.paged import Rows
-
-__all__ = ["CPU_STEP_ENV", "CPU_STEP_MODES", "FUSED_PREFILL_TOKENS", "FusedCpuStep", "cpu_step_mode", "fused_cpu_step",
-           "lay_out_for_fused_step", "unsupported"]
+__all__ = ["CPU_STEP_ENV", "CPU_STEP_MODES", "FUSED_PREFILL_TOKENS", "FusedCpuStep", "FusedTarget", "cpu_step_mode",
+           "fused_cpu_step", "lay_out_for_fused_step", "unsupported"]
 
 log = logging.getLogger("dflash.cpu_step")
 
@@ -41,30 +40,29 @@ CPU_STEP_ENV = "DFLASH_CPU_STEP"
 FUSED_PREFILL_TOKENS = 256
 CPU_STEP_MODES = ("auto", "fused", "torch")
 
-_f = ctypes.POINTER(ctypes.c_float)
-_i = ctypes.POINTER(ctypes.c_int64)
-_i64 = ctypes.c_int64
 
+class FusedTarget(Protocol):
+    """What the fused step reads from a target runner (`NativeTarget` is one)."""
 
-class _Layer(ctypes.Structure):
-    _fields_ = [(n, _f) for n in ("norm_in", "norm_post", "qkv", "qkv_bias", "qk_norm", "o", "o_bias", "gate_up",
-                                  "down", "k_cache", "v_cache")]
+    device: torch.device
+    dtype: torch.dtype
+    dense: list[DenseLayer | None]  # each layer packed, or None
+    embed_weight: torch.Tensor
+    lm_head: torch.nn.Module
+    lm_head_weight: torch.Tensor
+    norm: torch.nn.Module  # the final norm
+    rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (x, positions [1, n]) -> cos, sin
+    layer_ids: list[int]
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    kv_block_size: int
+    max_len: int
+    scaling: float
 
-
-class _Model(ctypes.Structure):
-    _fields_ = [*((n, _i64) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter", "layers", "vocab",
-                                      "rot_dim", "kv_block", "max_pos")),
-                ("eps", ctypes.c_float), ("qk_eps", ctypes.c_float), ("scale", ctypes.c_float),
-                ("embed", _f), ("embed_row", _i64), ("embed_col", _i64), ("final_norm", _f), ("lm_head", _f),
-                ("cos", _f), ("sin", _f), ("layer", ctypes.POINTER(_Layer))]
-
-
-class _Batch(ctypes.Structure):
-    _fields_ = [("tokens", _i64), ("ids", _i), ("pos", _i), ("seq", _i), ("tables", _i), ("requests", _i64),
-                ("table_len", _i64), ("key_rows", _i), ("context", _i64),
-                ("hidden_ids", _i), ("n_hidden", _i64), ("features", _f), ("head_rows", _i), ("n_head", _i64),
-                ("logits", _f), ("scratch", _f)]
-
+    def layer_kv(self, li: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 def cpu_step_mode() -> str:
     """`DFLASH_CPU_STEP`'s value: auto (default), fused or torch."""
@@ -82,7 +80,7 @@ def lay_out_for_fused_step(model: torch.nn.Module, device: torch.device, dtype: 
         store_input_major(model)
 
 
-def unsupported(target: NativeTarget) -> str | None:
+def unsupported(target: FusedTarget) -> str | None:
     """Why the fused step cannot run `target`, or None when it can."""
     if target.device.type != "cpu" or target.dtype != torch.float32:
         return f"it runs float32 on a CPU (the target is {target.dtype} on {target.device.type})"
@@ -98,58 +96,37 @@ def unsupported(target: NativeTarget) -> str | None:
     return None
 
 
-def _ptr(t: torch.Tensor | None) -> ctypes._Pointer | None:  # type: ignore[type-arg]
-    return None if t is None else ctypes.cast(t.data_ptr(), _f)
+def target_view(target: FusedTarget) -> ModelView:
+    """`target`'s tensors described to C (a target `unsupported` accepts)."""
+    layers = []
+    for li, dense in enumerate(target.dense):
+        assert dense is not None and dense.mlp is None
+        layers.append(LayerTensors(dense.norm_in, dense.norm_post, dense.qkv, dense.qkv_bias, dense.qk_norm, dense.o,
+                                   dense.o_bias, dense.gate_up, dense.down, *target.layer_kv(li)))
+    first = target.dense[0]
+    assert first is not None
+    if any(d is None or d.eps != first.eps or d.qk_eps != first.qk_eps for d in target.dense) or (
+            norm_eps(target.norm) != first.eps):
+        raise CpuStepUnavailable("norms of different epsilons")
+    probe = torch.zeros(1, dtype=target.dtype)
+    return ModelView(layers, lambda pos: target.rotary(probe, pos), target.max_len, embed=target.embed_weight,
+                     final_norm=target.norm.weight, lm_head=target.lm_head_weight, hidden=target.hidden_size,
+                     heads=target.num_heads, kv_heads=target.num_kv_heads, head_dim=target.head_dim,
+                     inter=first.intermediate, vocab=target.vocab_size, kv_block=target.kv_block_size,
+                     eps=first.eps, qk_eps=first.qk_eps, scale=target.scaling)
 
 
 class FusedCpuStep:
-    """`target`'s forward (a `NativeTarget` that `unsupported` accepts) as one C call per forward."""
+    """`target`'s forward (a `FusedTarget` that `unsupported` accepts) as one C call per forward."""
 
-    def __init__(self, target: NativeTarget, lib: ctypes.CDLL) -> None:
+    def __init__(self, target: FusedTarget, lib: ctypes.CDLL) -> None:
         self.target = target
-        self._forward = lib.dflash_forward
-        self._forward.restype = ctypes.c_int64
-        self._forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Batch)]
-        self._scratch_floats = lib.dflash_scratch_floats
-        self._scratch_floats.restype = ctypes.c_int64
-        self._scratch_floats.argtypes = [ctypes.POINTER(_Model), ctypes.c_int64, ctypes.c_int64]
-        with torch.inference_mode():
-            # the rotary table of every position: cos / sin [max_len, r] (scaled as the model's own module scales)
-            positions = torch.arange(target.max_len, device=target.device)[None]
-            probe = torch.zeros(1, dtype=target.dtype, device=target.device)
-            cos, sin = target.rotary(probe, positions)
-        self._cos, self._sin = cos[0].float().contiguous(), sin[0].float().contiguous()
-        rot = int(self._cos.shape[-1])
-        if rot % 2 or rot > target.head_dim:
-            raise CpuStepUnavailable(f"a rotary table of {rot} dims for heads of {target.head_dim}")
-        self._keep: list[torch.Tensor] = [self._cos, self._sin]  # what the C structs point into stays alive
-        layers = (_Layer * target.num_layers)()
-        for li, dense in enumerate(target.dense):
-            assert dense is not None
-            kc, vc = target.layer_kv(li)
-            if not (kc.is_contiguous() and vc.is_contiguous()):
-                raise CpuStepUnavailable("KV cache tensors that are not contiguous")
-            qk_norm = None if dense.qk_norm is None else dense.qk_norm.contiguous()
-            parts = (dense.norm_in, dense.norm_post, dense.qkv, dense.qkv_bias, qk_norm, dense.o, dense.o_bias,
-                     dense.gate_up, dense.down, kc, vc)
-            self._keep += [p for p in parts if p is not None]
-            layers[li] = _Layer(*(_ptr(p) for p in parts))
-        eps = norm_eps(target.norm)
-        embed = target.embed_weight
-        self.model = _Model(
-            target.hidden_size, target.num_heads, target.num_kv_heads, target.head_dim,
-            int(target.dense[0].intermediate), target.num_layers, target.vocab_size, rot,  # type: ignore[union-attr]
-            target.kv_block_size, target.max_len, target.dense[0].eps, target.dense[0].qk_eps,  # type: ignore[union-attr]
-            target.scaling, _ptr(embed), embed.stride(0), embed.stride(1), _ptr(target.norm.weight),
-            _ptr(target.lm_head_weight), _ptr(self._cos), _ptr(self._sin), layers)
-        if any(abs(d.eps - eps) > 0 for d in target.dense if d is not None):
-            raise CpuStepUnavailable("layers whose norms have different epsilons")
-        self._layers = layers
-        self._keep += [embed, target.norm.weight, target.lm_head_weight]
+        self._lib = lib
+        self.view = target_view(target)
         self._scratch = torch.empty(0)
 
     def _scratch_for(self, tokens: int, context: int) -> torch.Tensor:
-        need = int(self._scratch_floats(ctypes.byref(self.model), tokens, context))
+        need = int(self._lib.dflash_scratch_floats(ctypes.byref(self.view.model), tokens, context))
         if self._scratch.numel() < need:
             self._scratch = torch.empty(max(need, 2 * self._scratch.numel()), dtype=torch.float32)
         return self._scratch
@@ -185,26 +162,26 @@ class FusedCpuStep:
         size = ints.itemsize
 
         def at(offset: int) -> ctypes._Pointer:  # type: ignore[type-arg]
-            return ctypes.cast(base + offset * size, _i)
+            return int_ptr(base + offset * size)
 
         logits = torch.empty(len(heads), t.vocab_size, dtype=torch.float32)
         feat = torch.empty(T, len(hidden) * t.hidden_size, dtype=torch.float32) if hidden else None
         o_tab = 3 * T
         o_hid = o_tab + len(tables)
         o_heads = o_hid + len(hidden)
-        batch = _Batch(T, at(0), at(T), at(2 * T), at(o_tab), len(rows), width, at(o_heads + len(heads)), context,
-                       at(o_hid), len(hidden), _ptr(feat), at(o_heads), len(heads), _ptr(logits),
-                       _ptr(self._scratch_for(T, context)))
+        batch = Batch(T, at(0), at(T), at(2 * T), at(o_tab), len(rows), width, at(o_heads + len(heads)), context,
+                       at(o_hid), len(hidden), float_ptr(feat), at(o_heads), len(heads), float_ptr(logits),
+                       float_ptr(self._scratch_for(T, context)))
         self.run_kernel(batch)
-        return t._split_rows(rows, logits, feat, last_only)
+        return PagedTarget.split_rows(rows, logits, feat, last_only)
 
-    def run_kernel(self, batch: _Batch) -> None:
+    def run_kernel(self, batch: Batch) -> None:
         """The C call itself (`dflash-bench profile` times it apart from the Python around it)."""
-        if self._forward(ctypes.byref(self.model), ctypes.byref(batch)) != 0:
+        if self._lib.dflash_forward(ctypes.byref(self.view.model), ctypes.byref(batch)) != 0:
             raise ValueError(f"a position beyond the rotary table ({self.target.max_len})")
 
 
-def fused_cpu_step(target: NativeTarget) -> FusedCpuStep | None:
+def fused_cpu_step(target: FusedTarget) -> FusedCpuStep | None:
     """The fused step for `target` as `DFLASH_CPU_STEP` asks: None where it is off, or (auto) where it does not
     apply or cannot be built (logged once); `fused` raises a ValueError with the reason instead."""
     mode = cpu_step_mode()
@@ -213,7 +190,7 @@ def fused_cpu_step(target: NativeTarget) -> FusedCpuStep | None:
     reason = unsupported(target)
     if reason is None:
         try:
-            return FusedCpuStep(target, load_library())
+            return FusedCpuStep(target, bound_library())
         except CpuStepUnavailable as e:
             reason = str(e)
     if mode == "fused":

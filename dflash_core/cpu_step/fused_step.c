@@ -48,9 +48,14 @@ typedef struct {
     const float *embed;                  /* token t's value j at embed[t * embed_row + j * embed_col] */
     int64_t embed_row, embed_col;
     const float *final_norm;             /* [H] */
-    const float *lm_head;                /* [H, V] input-major */
+    const float *lm_head;                /* [H, V] input-major (a draft: NULL, its caller runs the head) */
     const float *cos, *sin;              /* [max_pos, rot_dim] */
     const Layer *layer;
+    /* a DFlash draft's: the context projection fc [feat, H] input-major (NULL for a target), its norm, the block
+     * embeddings' scale */
+    const float *fc, *hidden_norm;
+    int64_t feat;
+    float embed_scale;
 } Model;
 
 typedef struct {
@@ -226,20 +231,22 @@ static void softmax(float *s, int64_t n) {
     for (j = 0; j < n; j++) s[j] *= inv;
 }
 
-/* token t's queries [heads, d] over its request's keys at positions 0 .. pos[t]: out [heads, d] */
-static void attend(const Model *m, const Layer *L, const Batch *b, int64_t t, const float *q, float *out,
-                   float *scores) {
-    int64_t d = m->head_dim, kvh = m->kv_heads, group = m->heads / m->kv_heads, n = b->pos[t] + 1;
-    const int64_t *rows = b->key_rows + b->seq[t] * b->context;
+/* one query row's heads q [heads, d] over n_cache keys of the layer's cache (rows[j]: position j's row) and then
+ * n_block keys of this forward (`block`: qkv rows of stride W, keys at column Q, values at Q + KV): out [heads, d] */
+static void attend(const Model *m, const Layer *L, const int64_t *rows, int64_t n_cache, const float *block,
+                   int64_t n_block, int64_t W, const float *q, float *out, float *scores) {
+    int64_t d = m->head_dim, kvh = m->kv_heads, group = m->heads / m->kv_heads, n = n_cache + n_block;
+    int64_t Q = m->heads * d, KV = kvh * d;
     memset(out, 0, sizeof(float) * m->heads * d);
     for (int64_t g = 0; g < kvh; g++) {
-        for (int64_t j = 0; j < n; j++) {  /* scores [group, n]: the key row once for the group's heads */
-            const float *key = L->k_cache + (rows[j] * kvh + g) * d;
+        for (int64_t j = 0; j < n; j++) {  /* scores [group, n]: a key row once for the group's heads */
+            const float *key = j < n_cache ? L->k_cache + (rows[j] * kvh + g) * d : block + (j - n_cache) * W + Q + g * d;
             for (int64_t h = 0; h < group; h++) scores[h * n + j] = dot(q + (g * group + h) * d, key, d) * m->scale;
         }
         for (int64_t h = 0; h < group; h++) softmax(scores + h * n, n);
         for (int64_t j = 0; j < n; j++) {
-            const float *val = L->v_cache + (rows[j] * kvh + g) * d;
+            const float *val = j < n_cache ? L->v_cache + (rows[j] * kvh + g) * d
+                                           : block + (j - n_cache) * W + Q + KV + g * d;
             for (int64_t h = 0; h < group; h++) {
                 float p = scores[h * n + j], *o = out + (g * group + h) * d;
                 for (int64_t i = 0; i < d; i++) o[i] = fmaf(p, val[i], o[i]);
@@ -263,27 +270,30 @@ int64_t dflash_scratch_floats(const Model *m, int64_t tokens, int64_t context) {
     return tokens * per_token + (m->heads / m->kv_heads) * context;
 }
 
-static void layer_forward(const Model *m, const Layer *L, const Batch *b, float *h, float *x, float *tmp,
-                          float *qkv, float *att, float *gu, float *act, float *scores) {
-    int64_t T = b->tokens, H = m->hidden, d = m->head_dim, I = m->inter;
-    int64_t Q = m->heads * d, KV = m->kv_heads * d, W = Q + 2 * KV;
+/* a layer's queries, keys and values [T, Q + 2 KV] of T rows h at positions pos: normed, projected, biased, the
+ * queries' and keys' heads normed (Qwen3) and rotated */
+static void project(const Model *m, const Layer *L, int64_t T, const float *h, const int64_t *pos, float *x,
+                    float *qkv) {
+    int64_t H = m->hidden, d = m->head_dim, W = (m->heads + 2 * m->kv_heads) * d;
     for (int64_t t = 0; t < T; t++) rms_norm(h + t * H, L->norm_in, m->eps, H, x + t * H);
     gemm(T, H, W, x, H, L->qkv, W, qkv, W);
     for (int64_t t = 0; t < T; t++) {
         float *row = qkv + t * W;
         if (L->qkv_bias)
             for (int64_t i = 0; i < W; i++) row[i] += L->qkv_bias[i];
-        const float *cos = m->cos + b->pos[t] * m->rot_dim, *sin = m->sin + b->pos[t] * m->rot_dim;
+        const float *cos = m->cos + pos[t] * m->rot_dim, *sin = m->sin + pos[t] * m->rot_dim;
         for (int64_t hd = 0; hd < m->heads + m->kv_heads; hd++) {  /* queries' heads, then keys' */
             float *v = row + hd * d;
             if (L->qk_norm) rms_norm(v, L->qk_norm + hd * d, m->qk_eps, d, v);
             rope(v, cos, sin, m->rot_dim);
         }
-        int64_t cr = b->key_rows[b->seq[t] * b->context + b->pos[t]];
-        memcpy(L->k_cache + cr * KV, row + Q, sizeof(float) * KV);
-        memcpy(L->v_cache + cr * KV, row + Q + KV, sizeof(float) * KV);
     }
-    for (int64_t t = 0; t < T; t++) attend(m, L, b, t, qkv + t * W, att + t * Q, scores);
+}
+
+/* the rest of a layer on T rows h, in place: the output projection of att [T, Q], the residual, the SiLU MLP */
+static void finish(const Model *m, const Layer *L, int64_t T, float *h, const float *att, float *x, float *tmp,
+                   float *gu, float *act) {
+    int64_t H = m->hidden, I = m->inter, Q = m->heads * m->head_dim;
     gemm(T, Q, H, att, Q, L->o, H, tmp, H);
     for (int64_t t = 0; t < T; t++)
         for (int64_t i = 0; i < H; i++) h[t * H + i] += L->o_bias ? tmp[t * H + i] + L->o_bias[i] : tmp[t * H + i];
@@ -301,6 +311,28 @@ static void layer_forward(const Model *m, const Layer *L, const Batch *b, float 
         for (int64_t i = 0; i < H; i++) h[t * H + i] += tmp[t * H + i];
 }
 
+static void layer_forward(const Model *m, const Layer *L, const Batch *b, float *h, float *x, float *tmp,
+                          float *qkv, float *att, float *gu, float *act, float *scores) {
+    int64_t T = b->tokens, d = m->head_dim, Q = m->heads * d, KV = m->kv_heads * d, W = Q + 2 * KV;
+    project(m, L, T, h, b->pos, x, qkv);
+    for (int64_t t = 0; t < T; t++) {  /* every token's keys and values in the cache before any query reads */
+        int64_t cr = b->key_rows[b->seq[t] * b->context + b->pos[t]];
+        memcpy(L->k_cache + cr * KV, qkv + t * W + Q, sizeof(float) * KV);
+        memcpy(L->v_cache + cr * KV, qkv + t * W + Q + KV, sizeof(float) * KV);
+    }
+    for (int64_t t = 0; t < T; t++)
+        attend(m, L, b->key_rows + b->seq[t] * b->context, b->pos[t] + 1, NULL, 0, W, qkv + t * W, att + t * Q,
+               scores);
+    finish(m, L, T, h, att, x, tmp, gu, act);
+}
+
+static void fill_key_rows(const Model *m, int64_t requests, const int64_t *tables, int64_t table_len,
+                          int64_t *key_rows, int64_t context) {
+    for (int64_t r = 0; r < requests; r++)
+        for (int64_t j = 0; j < context && j / m->kv_block < table_len; j++)
+            key_rows[r * context + j] = tables[r * table_len + j / m->kv_block] * m->kv_block + j % m->kv_block;
+}
+
 /* 0 on success; -1 when a position lies outside the rotary table */
 int64_t dflash_forward(const Model *m, const Batch *b) {
     int64_t T = b->tokens, H = m->hidden, d = m->head_dim, I = m->inter;
@@ -309,10 +341,7 @@ int64_t dflash_forward(const Model *m, const Batch *b) {
         if (b->pos[t] < 0 || b->pos[t] >= m->max_pos) return -1;
     float *h = b->scratch, *x = h + T * H, *tmp = x + T * H, *qkv = tmp + T * H, *att = qkv + T * (Q + 2 * KV);
     float *gu = att + T * Q, *act = gu + T * 2 * I, *scores = act + T * I;
-    for (int64_t r = 0; r < b->requests; r++)
-        for (int64_t j = 0; j < b->context && j / m->kv_block < b->table_len; j++)
-            b->key_rows[r * b->context + j] = b->tables[r * b->table_len + j / m->kv_block] * m->kv_block
-                                              + j % m->kv_block;
+    fill_key_rows(m, b->requests, b->tables, b->table_len, b->key_rows, b->context);
     for (int64_t t = 0; t < T; t++)
         for (int64_t j = 0; j < H; j++) h[t * H + j] = m->embed[b->ids[t] * m->embed_row + j * m->embed_col];
     for (int64_t li = 0; li < m->layers; li++) {
@@ -324,5 +353,80 @@ int64_t dflash_forward(const Model *m, const Batch *b) {
     for (int64_t r = 0; r < b->n_head; r++)  /* the head's rows side by side (tmp holds T rows) */
         memcpy(tmp + r * H, x + b->head_rows[r] * H, sizeof(float) * H);
     gemm(b->n_head, H, m->vocab, tmp, H, m->lm_head, m->vocab, b->logits, m->vocab);
+    return 0;
+}
+
+/* ---- a DFlash draft's forward: new context rows into its cache, then the block over context and block ---- */
+
+typedef struct {
+    int64_t requests, width;             /* b blocks of w tokens */
+    const int64_t *ids;                  /* [b, w] the blocks' tokens (the last token, then mask tokens) */
+    const int64_t *start;                /* [b] a block's first position: its context is positions 0 .. start - 1 */
+    const int64_t *block_len;            /* [b] the block's keys its queries see (the first block_len) */
+    int64_t n_ctx;                       /* new context rows (target features) */
+    const float *ctx;                    /* [n_ctx, feat] */
+    const int64_t *ctx_pos, *ctx_row;    /* [n_ctx] their positions and draft cache rows */
+    const int64_t *tables;               /* [b, table_len] block ids */
+    int64_t table_len;
+    int64_t *key_rows;                   /* [b, context]: filled here */
+    int64_t context;                     /* the largest start */
+    float *hidden;                       /* [b * w, H] out: the block rows' final-normed hidden states */
+    float *scratch;                      /* dflash_draft_scratch_floats(...) floats */
+} DraftBatch;
+
+int64_t dflash_draft_scratch_floats(const Model *m, int64_t rows, int64_t width, int64_t n_ctx, int64_t context) {
+    int64_t H = m->hidden, KV = m->kv_heads * m->head_dim, Q = m->heads * m->head_dim, I = m->inter;
+    int64_t T = rows * width, per_row = 3 * H + (Q + 2 * KV) + Q + 2 * I + I;
+    return n_ctx * (2 * H + 2 * KV) + T * per_row + (m->heads / m->kv_heads) * (context + width);
+}
+
+/* 0 on success; -1 when a position lies outside the rotary table */
+int64_t dflash_draft_forward(const Model *m, const DraftBatch *b) {
+    int64_t H = m->hidden, d = m->head_dim, I = m->inter, C = b->n_ctx, w = b->width, T = b->requests * w;
+    int64_t Q = m->heads * d, KV = m->kv_heads * d, W = Q + 2 * KV;
+    for (int64_t r = 0; r < b->requests; r++)
+        if (b->start[r] < 0 || b->start[r] + w > m->max_pos || b->start[r] > b->context) return -1;
+    for (int64_t c = 0; c < C; c++)
+        if (b->ctx_pos[c] < 0 || b->ctx_pos[c] >= m->max_pos) return -1;
+    float *proj = b->scratch, *ctx = proj + C * H, *kv = ctx + C * H, *h = kv + C * 2 * KV, *x = h + T * H;
+    float *tmp = x + T * H, *qkv = tmp + T * H, *att = qkv + T * W, *gu = att + T * Q, *act = gu + T * 2 * I;
+    float *scores = act + T * I;
+    int64_t *pos = b->key_rows + b->requests * b->context;  /* [T] block positions, after the key rows */
+    fill_key_rows(m, b->requests, b->tables, b->table_len, b->key_rows, b->context);
+    if (C) {  /* the context rows: fc, then its norm */
+        gemm(C, m->feat, H, b->ctx, m->feat, m->fc, H, proj, H);
+        for (int64_t c = 0; c < C; c++) rms_norm(proj + c * H, m->hidden_norm, m->eps, H, ctx + c * H);
+    }
+    for (int64_t t = 0; t < T; t++) {
+        pos[t] = b->start[t / w] + t % w;
+        for (int64_t j = 0; j < H; j++)
+            h[t * H + j] = m->embed[b->ids[t] * m->embed_row + j * m->embed_col] * m->embed_scale;
+    }
+    for (int64_t li = 0; li < m->layers; li++) {
+        const Layer *L = m->layer + li;
+        if (C) {  /* the context rows' keys (normed, rotated) and values into the cache */
+            gemm(C, H, 2 * KV, ctx, H, L->qkv + Q, W, kv, 2 * KV);
+            for (int64_t c = 0; c < C; c++) {
+                float *row = kv + c * 2 * KV;
+                if (L->qkv_bias)
+                    for (int64_t i = 0; i < 2 * KV; i++) row[i] += L->qkv_bias[Q + i];
+                const float *cos = m->cos + b->ctx_pos[c] * m->rot_dim, *sin = m->sin + b->ctx_pos[c] * m->rot_dim;
+                for (int64_t g = 0; g < m->kv_heads; g++) {
+                    if (L->qk_norm) rms_norm(row + g * d, L->qk_norm + (m->heads + g) * d, m->qk_eps, d, row + g * d);
+                    rope(row + g * d, cos, sin, m->rot_dim);
+                }
+                memcpy(L->k_cache + b->ctx_row[c] * KV, row, sizeof(float) * KV);
+                memcpy(L->v_cache + b->ctx_row[c] * KV, row + KV, sizeof(float) * KV);
+            }
+        }
+        project(m, L, T, h, pos, x, qkv);
+        for (int64_t t = 0; t < T; t++) {  /* every query sees its context and its block's first block_len keys */
+            int64_t r = t / w;
+            attend(m, L, b->key_rows + r * b->context, b->start[r], qkv + r * w * W, b->block_len[r], W,
+                   qkv + t * W, att + t * Q, scores);
+        }
+        finish(m, L, T, h, att, x, tmp, gu, act);
+    }
+    for (int64_t t = 0; t < T; t++) rms_norm(h + t * H, m->final_norm, m->eps, H, b->hidden + t * H);
     return 0;
 }

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 
 from dflash_core.compile import StaticShapes, kv_bucket, timed_warm_up
+from dflash_core.cpu_step.fused import lay_out_for_fused_step
+from dflash_core.cpu_step.fused_draft import FusedDraftStep, fused_draft_step
 from dflash_core.draft import DFlashDraft, layer_region
 from dflash_core.draft_cache import DraftKVCache, PagedBatch, PagedDraftCache
 from dflash_core.draft_sampling import RowSampling
@@ -89,6 +91,7 @@ class DFlashDrafter(Drafter):
     ) -> None:
         if window is not None and window < 1:
             raise ValueError(f"draft window must be >= 1, got {window}")
+        lay_out_for_fused_step(draft, target.device, target.dtype)  # before packing: the packs keep the layout
         draft.pack()  # one multiply for q/k/v and for gate/up (the projections' weights become views)
         self.draft = draft
         self.target = target
@@ -125,6 +128,14 @@ class DFlashDrafter(Drafter):
             else:
                 dims = {0: (0, 1), 1: (0, 1), 2: (0, 1), 3: (0, 1), 4: (0, 1), 5: (0,), 6: (0,), 7: (0, 1)}
                 self._step = self.static.wrap(self._static_forward, target.device, dynamic=dims)
+
+        # float32 on a CPU: the eager batched proposal's forward as one C call (`dflash_core/cpu_step/`)
+        self._fused = fused_draft_step(self) if self.pages is not None else None
+
+    @property
+    def fused_step(self) -> FusedDraftStep | None:
+        """The fused CPU step that runs this drafter's proposals, or None."""
+        return self._fused
 
     @property
     def compiled_whole_step(self) -> bool:
@@ -280,6 +291,11 @@ class DFlashDrafter(Drafter):
             hidden = self.draft.forward_paged_by_layer(emb, block_pos, ctx, ctx_pos, cache, self._region, **lens)
         else:
             hidden = self.draft(emb, block_pos, ctx, ctx_pos, cache, **lens)
+        return self._choose(hidden, block, block_pos, asked)
+
+    def _choose(self, hidden: torch.Tensor, block: torch.Tensor, block_pos: torch.Tensor,
+                asked: Asked) -> tuple[Any, ...]:
+        """`_draft_argmax`'s outputs from the block rows' final-normed hidden states [b, w, H]."""
         best, prob, *top = self.draft.choose(hidden, block[:, 0], self.target.lm_head_weight, asked.candidates)
         if asked.argmax_only:
             return best, prob
@@ -369,6 +385,9 @@ class DFlashDrafter(Drafter):
         asked: Asked = ARGMAX,
     ) -> list[Proposal]:
         """The eager batched proposal: each row gathers the blocks its keys (its window's) lie in."""
+        if self._fused is not None:
+            hidden, block, block_pos = self._fused.hidden(items, pending)
+            return self._read_back(*self._choose(hidden, block, block_pos, asked), items=items, asked=asked)
         kb, b = self.kv_block, len(items)
         ctx, ints = self._padded_inputs(items, pending, b, max(n for *_, n in items) + 1, n_ctx)
         first = [0] * b  # each row's first gathered block

@@ -352,4 +352,4 @@ class GenericTarget(PagedTarget):
         feat = None
         if want_hidden:  # transformers' hidden state i + 1 is target layer i's output (the last: after the norm)
             feat = torch.cat([out.hidden_states[i + 1][0] for i in self.layer_ids], dim=-1)
-        return self._split_rows(rows, logits, feat, last_only)
+        return self.split_rows(rows, logits, feat, last_only)

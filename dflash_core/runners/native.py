@@ -343,7 +343,7 @@ class NativeTarget(PagedTarget):
         if last_only:
             h = h[:, batch.lengths.cumsum(0) - 1]
         logits = self.lm_head(h[0]).float()
-        return self._split_rows(rows, logits, feat[0] if feat is not None else None, last_only)
+        return self.split_rows(rows, logits, feat[0] if feat is not None else None, last_only)
 
     @torch.inference_mode()
     def warm_up(self) -> float:

@@ -153,7 +153,7 @@ class PagedTarget(TargetRunner):
         return row_of, col_of
 
     @staticmethod
-    def _split_rows(rows: Rows, logits: torch.Tensor, feat: torch.Tensor | None,
+    def split_rows(rows: Rows, logits: torch.Tensor, feat: torch.Tensor | None,
                     last_only: bool) -> list[TargetOutput]:
         """Each row's outputs of a forward over the rows' real tokens in order: logits [T, V] (last_only: [b, V]),
         features [T, F]; each row's cache then holds its tokens."""

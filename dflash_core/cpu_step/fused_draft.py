@@ -1,0 +1,172 @@
+"""The DFlash draft's forward on a CPU as ONE call into `fused_step.c`: `FusedDraftStep`.
+
+Serves the batched drafter's eager proposal (`DFlashDrafter`, paged context cache, no compiled step, no window)
+where the draft runs float32 on a CPU and is a DFlash draft (not DFlash 2) whose layers attend bidirectionally
+with no sliding window and whose RoPE has no long-context switch. One call writes the requests' new context rows
+(the target's features: `fc`, its norm, each layer's keys and values) into the drafter's own paged cache and runs
+the blocks over their context and themselves, returning the final-normed hidden states; the drafter's head and
+choice (argmax, sampled rows, a tree's candidates) run on them as before. `DFLASH_CPU_STEP` picks it as it picks
+the target's (`dflash_core/cpu_step/fused.py`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from array import array
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from dflash_core.cpu_step.abi import DraftBatch, LayerTensors, ModelView, bound_library, float_ptr, int_ptr
+from dflash_core.cpu_step.build import CpuStepUnavailable
+from dflash_core.cpu_step.fused import CPU_STEP_ENV, cpu_step_mode
+from dflash_core.draft import DFlashDraft
+from dflash_core.draft_cache import PagedDraftCache
+from dflash_core.kv.pool import blocks_for
+from dflash_core.runners.base import DraftRequest, TargetRunner
+from dflash_core.weight_layout import is_input_major
+
+__all__ = ["FusedDraftStep", "FusedDrafter", "fused_draft_step", "unsupported_draft"]
+
+log = logging.getLogger("dflash.cpu_step")
+
+
+class FusedDrafter(Protocol):
+    """What the fused draft step reads from a drafter (`DFlashDrafter` is one)."""
+
+    draft: DFlashDraft
+    target: TargetRunner  # its embedding table, device and dtype
+    pages: PagedDraftCache | None  # the paged context cache (None: per-request caches)
+    static: object | None  # compiled static shapes, or None
+    window: int | None
+    max_len: int
+    block_size: int
+    kv_block: int
+    mask_token_id: int
+
+
+def unsupported_draft(drafter: FusedDrafter) -> str | None:
+    """Why the fused draft step cannot run `drafter`'s proposals, or None when it can."""
+    draft, device, dtype = drafter.draft, drafter.target.device, drafter.target.dtype
+    if device.type != "cpu" or dtype != torch.float32:
+        return f"it runs float32 on a CPU (the draft is {dtype} on {device.type})"
+    if drafter.pages is None or drafter.static is not None or drafter.window is not None:
+        return "a per-request, compiled or windowed drafter"
+    if type(draft) is not DFlashDraft:  # a subclass or a wrapper may forward otherwise than the C does
+        return f"a draft of type {type(draft).__name__}"
+    if draft.cfg.dflash2 is not None or draft.rope_frequencies.long_inv_freq is not None:
+        return "a DFlash 2 draft or a long-context RoPE switch"
+    for layer in draft.layers:
+        attn = layer.self_attn
+        if attn.is_causal or attn.sliding_window is not None or attn.qkv is None:
+            return "causal, sliding-window or unpacked draft layers"
+        weights = (attn.qkv, attn.o_proj.weight, layer.mlp.gate_up, layer.mlp.down_proj.weight)
+        if not all(w is not None and is_input_major(w) for w in weights):
+            return "draft weights not stored input-major"
+    if not is_input_major(draft.fc.weight) or draft.fc.bias is not None:
+        return "a context projection not stored input-major"
+    eps = {m.eps for m in draft.modules() if hasattr(m, "eps") and isinstance(m.eps, float)}
+    if len(eps) != 1:
+        return "norms of different epsilons"
+    return None
+
+
+def draft_view(drafter: FusedDrafter) -> ModelView:
+    """The draft's tensors and its paged context cache described to C."""
+    draft, pages = drafter.draft, drafter.pages
+    assert pages is not None
+    cfg = draft.cfg
+    layers = [LayerTensors(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.self_attn.qkv,
+                           layer.self_attn.qkv_bias, layer.self_attn.qk_norm, layer.self_attn.o_proj.weight,
+                           layer.self_attn.o_proj.bias, layer.mlp.gate_up, layer.mlp.down_proj.weight, pages.k[i],
+                           pages.v[i])
+              for i, layer in enumerate(draft.layers)]
+    return ModelView(layers, lambda pos: draft.rope(pos, torch.float32), drafter.max_len + drafter.block_size,
+                     embed=drafter.target.embed_weight, final_norm=draft.norm.weight, fc=draft.fc.weight,
+                     hidden_norm=draft.hidden_norm.weight, embed_scale=cfg.input_embedding_scale,
+                     hidden=cfg.hidden_size, heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+                     head_dim=cfg.head_dim, inter=cfg.intermediate_size, vocab=0, kv_block=drafter.kv_block,
+                     eps=cfg.rms_norm_eps, qk_eps=cfg.rms_norm_eps, scale=cfg.head_dim**-0.5,
+                     feat=draft.fc.weight.shape[1])
+
+
+class FusedDraftStep:
+    """A drafter's batched proposal forward (one `unsupported_draft` accepts) as one C call."""
+
+    def __init__(self, drafter: FusedDrafter, lib: ctypes.CDLL) -> None:
+        self.drafter = drafter
+        self._lib = lib
+        self.view = draft_view(drafter)
+        self._scratch = torch.empty(0)
+
+    def hidden(self, items: Sequence[DraftRequest], pending: Sequence[torch.Tensor | None]
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The blocks' final-normed hidden states [b, w, H] (w: the longest block + 1), their tokens and their
+        positions [b, w], each item's pending context rows written to the cache first."""
+        d = self.drafter
+        kvb = d.kv_block
+        w = max(n for *_, n in items) + 1
+        ids: list[int] = []
+        ctx_pos: list[int] = []
+        ctx_rows: list[int] = []
+        starts = [p for _, _, p, _ in items]
+        for (st, last, p, _n), f in zip(items, pending):
+            ids += [last] + [d.mask_token_id] * (w - 1)
+            c = 0 if f is None else f.shape[0]
+            ctx_pos += range(p - c, p)
+            ctx_rows += [st.blocks[q // kvb] * kvb + q % kvb for q in range(p - c, p)]
+        context = max(starts)
+        width = max(1, blocks_for(context, d.kv_block))
+        tables = [b for st, *_ in items for b in (list(st.blocks[:width]) + [0] * width)[:width]]
+        lens = [n + 1 for *_, n in items]
+        feats = [f for f in pending if f is not None and f.shape[0]]
+        ctx = torch.cat(feats).float().contiguous() if feats else None
+        b, H = len(items), self.view.model.hidden
+        ints = array("q", ids + starts + lens + ctx_pos + ctx_rows + tables)
+        ints.frombytes(bytes(8 * (b * context + b * w)))  # the key rows, then the block positions, filled by C
+        base, size = ints.buffer_info()[0], ints.itemsize
+        offsets = [0, len(ids), len(ids) + b, len(ids) + 2 * b]
+        offsets += [offsets[-1] + len(ctx_pos), offsets[-1] + 2 * len(ctx_pos)]
+        offsets.append(offsets[-1] + len(tables))
+        ptr = [int_ptr(base + o * size) for o in offsets]
+        hidden = torch.empty(b * w, H, dtype=torch.float32)
+        scratch = self._scratch_for(b, w, len(ctx_pos), context)
+        batch = DraftBatch(b, w, ptr[0], ptr[1], ptr[2], len(ctx_pos), float_ptr(ctx), ptr[3], ptr[4], ptr[5],
+                           width, ptr[6], context, float_ptr(hidden), float_ptr(scratch))
+        self.run_kernel(batch)
+        block = torch.tensor(ids).view(b, w)
+        block_pos = torch.tensor(starts)[:, None] + torch.arange(w)[None]
+        return hidden.view(b, w, H), block, block_pos
+
+    def run_kernel(self, batch: DraftBatch) -> None:
+        """The C call itself (`dflash-bench profile` times it apart from the Python around it)."""
+        if self._lib.dflash_draft_forward(ctypes.byref(self.view.model), ctypes.byref(batch)) != 0:
+            raise ValueError(f"a draft position beyond the rotary table ({self.view.model.max_pos})")
+
+    def _scratch_for(self, b: int, w: int, n_ctx: int, context: int) -> torch.Tensor:
+        need = int(self._lib.dflash_draft_scratch_floats(ctypes.byref(self.view.model), b, w, n_ctx, context))
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(max(need, 2 * self._scratch.numel()), dtype=torch.float32)
+        return self._scratch
+
+
+def fused_draft_step(drafter: FusedDrafter) -> FusedDraftStep | None:
+    """The fused draft step for `drafter` as `DFLASH_CPU_STEP` asks (as `fused_cpu_step`: None where off or where
+    it does not apply; `fused` raises where it does not apply to a CPU float32 drafter)."""
+    mode = cpu_step_mode()
+    if mode == "torch":
+        return None
+    reason = unsupported_draft(drafter)
+    if reason is None:
+        try:
+            return FusedDraftStep(drafter, bound_library())
+        except CpuStepUnavailable as e:
+            reason = str(e)
+    if mode == "fused" and drafter.target.device.type == "cpu" and drafter.target.dtype == torch.float32 and (
+            drafter.static is None):
+        raise ValueError(f"{CPU_STEP_ENV}=fused: the fused CPU step cannot run this draft: {reason}")
+    if drafter.target.device.type == "cpu":
+        log.info("fused CPU draft step off: %s (the PyTorch forward runs)", reason)
+    return None
