@@ -53,6 +53,8 @@ MATRIX = "tests/test_backends_matrix.py"
 ENGINE = "tests/test_engine.py"
 ACCEPT = "dflash_core/engine.py"
 DRAFTER = "dflash_core/runners/drafter.py"
+FUSED_C = "dflash_core/cpu_step/fused_step.c"  # built by the tests that import it; a build error fails them
+CPU_STEP = "tests/test_cpu_step.py"
 
 
 def m(name: str, file: str, function: str, original: str, mutated: str, *tests: str) -> Mutation:
@@ -259,6 +261,13 @@ MUTATIONS: tuple[Mutation, ...] = (
     m("api_key_prefix_accepted", "server/checks.py", "check_auth",
       "not hmac.compare_digest(token.strip().encode(), api_key.encode())", "not api_key.startswith(token.strip())",
       "tests/test_api_key.py"),
+    m("fused_attention_misses_its_own_key", FUSED_C, "layer_forward",
+      "b->pos[t] + 1, NULL, 0, W", "b->pos[t], NULL, 0, W",
+      f"{CPU_STEP}::test_fused_forward_matches_the_pytorch_forward"),
+    m("fused_gemm_chains_restart_per_block_of_k", FUSED_C, "gemm", "int first = k0 == 0;", "int first = 1;",
+      f"{CPU_STEP}::test_fused_forward_matches_the_pytorch_forward"),
+    m("fused_draft_sees_padding_keys", FUSED_C, "dflash_draft_forward", "b->block_len[r], W,", "w, W,",
+      f"{CPU_STEP}::test_fused_draft_proposes_as_the_pytorch_draft"),
     Mutation("logprobs_of_processed_logits", ACCEPT, "Engine._prefilled, Engine._accept", (
         ("commit_tokens(req, token, out.logits, StepOutput(req.id, [], is_prefill=True))",
          "commit_tokens(req, token, self._processed(req, out.logits, []), StepOutput(req.id, [], is_prefill=True))"),
@@ -286,6 +295,8 @@ def apply(copy: Path, m: Mutation) -> str | None:
             return f"STALE: {original!r} occurs {count} times in {m.file} (expected once, in {m.function})"
         text = text.replace(original, mutated)
     path.write_text(text)
+    if path.suffix != ".py":
+        return None
     try:
         py_compile.compile(str(path), doraise=True)
     except py_compile.PyCompileError as e:

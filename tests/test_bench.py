@@ -695,7 +695,8 @@ def test_profile_mode_tiny_pair(pair: tuple[Path, Path], tmp_path: Path, capsys:
         assert set(share) == set(CATEGORIES)
         assert all(v >= -0.02 for v in share.values()), share
         assert sum(share.values()) == pytest.approx(1.0, abs=0.03)
-        assert share["ops: matmul"] > 0 and share["py: target forward"] > 0
+        # the target's products: PyTorch's matmuls, or the fused CPU step's C call (the default on a CPU)
+        assert share["ops: matmul"] + share["ops: fused target (C)"] > 0 and share["py: target forward"] > 0
     assert data["plain"]["profiled"]["share"]["py: draft"] == 0 and data["dflash"]["profiled"]["share"]["py: draft"] > 0
     assert data["plain"]["steps"] == 16 and data["dflash"]["tokens_per_step"] >= 1
 
