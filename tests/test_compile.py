@@ -28,6 +28,7 @@ from torch._inductor.utils import run_and_get_code
 
 from dflash_core.compile import StaticShapes, default_batch_sizes, key_buckets, kv_bucket, parse_sizes
 from dflash_core.config import DFlash2Config, DraftConfig
+from dflash_core.cpu_step.fused import CPU_STEP_ENV
 from dflash_core.draft import DFlashDraft
 from dflash_core.runners.base import DraftRequest
 from dflash_core.runners.drafter import DFlashDrafter
@@ -248,7 +249,8 @@ def test_dflash2_draft_compiled_equals_eager(model, dflash2_draft):
 
 
 @pytest.mark.parametrize("scope", ["layer", "step"])
-def test_draft_compiled_equals_eager(model, draft, scope):
+def test_draft_compiled_equals_eager(model, draft, scope, monkeypatch):
+    monkeypatch.setenv(CPU_STEP_ENV, "torch")  # the eager PyTorch draft (the fused CPU step: tests/test_cpu_step.py)
     eager = _proposals(model, draft, None)
     shapes = StaticShapes(batch_sizes=(1, 2, 4), widths=(1, 2, 4, 8), compiled=True, scope=scope)
     compiled = _proposals(model, draft, shapes)

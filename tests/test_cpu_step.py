@@ -5,6 +5,7 @@ greedy output token-identical, and steps aside (or refuses, when asked for) wher
 from __future__ import annotations
 
 import logging
+import shutil
 
 import pytest
 import torch
@@ -158,8 +159,20 @@ def test_without_a_compiler_the_pytorch_forward_runs(monkeypatch, tmp_path):
         _runner(model, monkeypatch, "fused")
 
 
+def test_more_torch_threads_keep_the_pytorch_forward(monkeypatch):
+    """The C runs on one thread: where torch was given more, `auto` leaves them the forward; `fused` forces it."""
+    model = make_target(None, "qwen3")
+    torch.set_num_threads(2)
+    try:
+        assert _runner(model, monkeypatch, "auto").cpu_step == "torch"
+        assert _runner(model, monkeypatch, "fused").cpu_step == "fused"
+    finally:
+        torch.set_num_threads(1)
+
+
 def test_the_library_is_built_once_per_machine(monkeypatch, tmp_path):
     monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("CC", f"env {shutil.which('cc') or shutil.which('gcc')}")  # a compiler command with arguments
     lib = build.load_library()
     built = list(tmp_path.glob("fused_step-*.so"))
     assert len(built) == 1

@@ -40,8 +40,8 @@ class Batch(ctypes.Structure):
     """A target forward's tokens (`dflash_forward`)."""
 
     _fields_ = [("tokens", _i64), ("ids", _i), ("pos", _i), ("seq", _i), ("tables", _i), ("requests", _i64),
-                ("table_len", _i64), ("key_rows", _i), ("context", _i64), ("hidden_ids", _i), ("n_hidden", _i64),
-                ("features", _f), ("head_rows", _i), ("n_head", _i64), ("logits", _f), ("scratch", _f)]
+                ("table_len", _i64), ("context", _i64), ("hidden_ids", _i), ("n_hidden", _i64), ("features", _f),
+                ("head_rows", _i), ("n_head", _i64), ("logits", _f), ("scratch", _f)]
 
 
 class DraftBatch(ctypes.Structure):
@@ -49,7 +49,7 @@ class DraftBatch(ctypes.Structure):
 
     _fields_ = [("requests", _i64), ("width", _i64), ("ids", _i), ("start", _i), ("block_len", _i),
                 ("n_ctx", _i64), ("ctx", _f), ("ctx_pos", _i), ("ctx_row", _i), ("tables", _i), ("table_len", _i64),
-                ("key_rows", _i), ("context", _i64), ("hidden", _f), ("scratch", _f)]
+                ("pos", _i), ("context", _i64), ("hidden", _f), ("scratch", _f)]
 
 
 def float_ptr(t: torch.Tensor | None) -> ctypes._Pointer | None:  # type: ignore[type-arg]
@@ -114,11 +114,18 @@ class ModelView:
         for li, lt in enumerate(layers):
             parts = (lt.norm_in, lt.norm_post, lt.qkv, lt.qkv_bias, None if lt.qk_norm is None else
                      lt.qk_norm.contiguous(), lt.o, lt.o_bias, lt.gate_up, lt.down, lt.k_cache, lt.v_cache)
-            if not (lt.k_cache.is_contiguous() and lt.v_cache.is_contiguous()):
-                raise CpuStepUnavailable("KV cache tensors that are not contiguous")
+            for p in (lt.norm_in, lt.norm_post, lt.qkv_bias, lt.o_bias, lt.k_cache, lt.v_cache):
+                if p is not None and not p.is_contiguous():
+                    raise CpuStepUnavailable("norm weights, biases or KV cache tensors that are not contiguous")
             keep += parts
             self._layers[li] = Layer(*(float_ptr(p) for p in parts))
-        self._keep = [t for t in keep if t is not None]
+        for t in (final_norm, hidden_norm):
+            if t is not None and not t.is_contiguous():
+                raise CpuStepUnavailable("a norm weight that is not contiguous")
+        if any(t is not None and (t.dtype != torch.float32 or t.device.type != "cpu") for t in keep):
+            raise CpuStepUnavailable("tensors that are not float32 on the CPU")
+        # the tensors themselves (detached: their storage), so a parameter given new data later frees nothing C reads
+        self._keep = [t.detach() for t in keep if t is not None]
         self.model = Model(layers=len(layers), rot_dim=rot, max_pos=max_pos, embed=float_ptr(embed),
                            embed_row=embed.stride(0), embed_col=embed.stride(1), final_norm=float_ptr(final_norm),
                            lm_head=float_ptr(lm_head), cos=float_ptr(self._cos), sin=float_ptr(self._sin),

@@ -12,6 +12,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -50,18 +51,21 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def _compiler() -> str:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+def _compiler() -> list[str]:
+    """The compiler's command: `$CC` split as a shell would (`ccache gcc`), else cc, gcc or clang."""
+    if os.environ.get("CC"):
+        return shlex.split(os.environ["CC"])
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not cc:
         raise CpuStepUnavailable("no C compiler (cc, gcc or clang) on PATH")
-    return cc
+    return [cc]
 
 
-def _key(cc: str) -> str:
+def _key(cc: list[str]) -> str:
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
-        raise CpuStepUnavailable(f"{cc} --version failed: {e}") from e
+        raise CpuStepUnavailable(f"{' '.join(cc)} --version failed: {e}") from e
     digest = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_identity().encode()):
         digest.update(part)
@@ -69,19 +73,19 @@ def _key(cc: str) -> str:
     return digest.hexdigest()[:20]
 
 
-def _build(cc: str, out: Path) -> None:
+def _build(cc: list[str], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     # built beside its final name and renamed: a process loading it never sees half a file
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+        proc = subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
                               timeout=300)
         if proc.returncode != 0:
-            raise CpuStepUnavailable(f"{cc} failed to build {SOURCE.name}: {proc.stderr.strip()[-500:]}")
+            raise CpuStepUnavailable(f"{' '.join(cc)} failed to build {SOURCE.name}: {proc.stderr.strip()[-500:]}")
         os.replace(tmp, out)
     except (OSError, subprocess.SubprocessError) as e:
-        raise CpuStepUnavailable(f"{cc} could not build {SOURCE.name}: {e}") from e
+        raise CpuStepUnavailable(f"{' '.join(cc)} could not build {SOURCE.name}: {e}") from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -29,14 +29,14 @@ from dflash_core.runners.paged import PagedTarget, Rows
 from dflash_core.weight_layout import is_input_major, store_input_major, stores_input_major
 
 __all__ = ["CPU_STEP_ENV", "CPU_STEP_MODES", "FUSED_PREFILL_TOKENS", "FusedCpuStep", "FusedTarget", "cpu_step_mode",
-           "fused_cpu_step", "lay_out_for_fused_step", "unsupported"]
+           "fused_cpu_step", "lay_out_for_fused_step", "threads_reason", "unsupported"]
 
 log = logging.getLogger("dflash.cpu_step")
 
 CPU_STEP_ENV = "DFLASH_CPU_STEP"
-# a prefill forward of more tokens than this runs the PyTorch forward: its attention (SDPA) and matrix products
-# (MKL) win on long prompts, where per-op overhead no longer counts (measured on the demo target at 1 thread: equal
-# at 256 tokens, the fused step 1.6x slower at 1,000 and 2.1x at 1,900)
+# a prefill forward of more tokens than this runs the PyTorch forward: on hundreds of rows MKL's products run about
+# twice as fast as the C's (one thread, 512 x 1024 x 4096: 146 against 74 GFLOP/s on the development VM), and
+# per-op overhead no longer counts (the demo target, whose attention weighs more, ran equal up to 1,900 tokens)
 FUSED_PREFILL_TOKENS = 256
 CPU_STEP_MODES = ("auto", "fused", "torch")
 
@@ -70,6 +70,15 @@ def cpu_step_mode() -> str:
     if mode not in CPU_STEP_MODES:
         raise ValueError(f"{CPU_STEP_ENV}={mode!r}: expected one of {', '.join(CPU_STEP_MODES)}")
     return mode
+
+
+def threads_reason(mode: str) -> str | None:
+    """Why `auto` leaves the forward to PyTorch at this thread count, or None: the C runs on one thread, so where
+    torch was given more (`--threads N`) its multi-threaded forward keeps them (`fused` forces the C)."""
+    threads = torch.get_num_threads()
+    if mode == "auto" and threads > 1:
+        return f"torch runs {threads} threads and the fused step one ({CPU_STEP_ENV}=fused forces it)"
+    return None
 
 
 def lay_out_for_fused_step(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
@@ -157,9 +166,7 @@ class FusedCpuStep:
         hidden = [i + 1 for i in t.layer_ids] if features else []
         T = len(ids)
         ints = array("q", ids + pos + seq + tables + hidden + heads)
-        ints.frombytes(bytes(8 * len(rows) * context))  # the key rows the C code fills: [requests, context]
-        base = ints.buffer_info()[0]
-        size = ints.itemsize
+        base, size = ints.buffer_info()[0], ints.itemsize
 
         def at(offset: int) -> ctypes._Pointer:  # type: ignore[type-arg]
             return int_ptr(base + offset * size)
@@ -169,9 +176,9 @@ class FusedCpuStep:
         o_tab = 3 * T
         o_hid = o_tab + len(tables)
         o_heads = o_hid + len(hidden)
-        batch = Batch(T, at(0), at(T), at(2 * T), at(o_tab), len(rows), width, at(o_heads + len(heads)), context,
-                       at(o_hid), len(hidden), float_ptr(feat), at(o_heads), len(heads), float_ptr(logits),
-                       float_ptr(self._scratch_for(T, context)))
+        batch = Batch(T, at(0), at(T), at(2 * T), at(o_tab), len(rows), width, context, at(o_hid), len(hidden),
+                      float_ptr(feat), at(o_heads), len(heads), float_ptr(logits),
+                      float_ptr(self._scratch_for(T, context)))
         self.run_kernel(batch)
         return PagedTarget.split_rows(rows, logits, feat, last_only)
 
@@ -187,7 +194,7 @@ def fused_cpu_step(target: FusedTarget) -> FusedCpuStep | None:
     mode = cpu_step_mode()
     if mode == "torch":
         return None
-    reason = unsupported(target)
+    reason = unsupported(target) or threads_reason(mode)
     if reason is None:
         try:
             return FusedCpuStep(target, bound_library())

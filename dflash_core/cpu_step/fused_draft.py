@@ -21,7 +21,7 @@ import torch
 
 from dflash_core.cpu_step.abi import DraftBatch, LayerTensors, ModelView, bound_library, float_ptr, int_ptr
 from dflash_core.cpu_step.build import CpuStepUnavailable
-from dflash_core.cpu_step.fused import CPU_STEP_ENV, cpu_step_mode
+from dflash_core.cpu_step.fused import CPU_STEP_ENV, cpu_step_mode, threads_reason
 from dflash_core.draft import DFlashDraft
 from dflash_core.draft_cache import PagedDraftCache
 from dflash_core.kv.pool import blocks_for
@@ -124,8 +124,8 @@ class FusedDraftStep:
         feats = [f for f in pending if f is not None and f.shape[0]]
         ctx = torch.cat(feats).float().contiguous() if feats else None
         b, H = len(items), self.view.model.hidden
-        ints = array("q", ids + starts + lens + ctx_pos + ctx_rows + tables)
-        ints.frombytes(bytes(8 * (b * context + b * w)))  # the key rows, then the block positions, filled by C
+        block_pos = [p + i for p in starts for i in range(w)]
+        ints = array("q", ids + starts + lens + ctx_pos + ctx_rows + tables + block_pos)
         base, size = ints.buffer_info()[0], ints.itemsize
         offsets = [0, len(ids), len(ids) + b, len(ids) + 2 * b]
         offsets += [offsets[-1] + len(ctx_pos), offsets[-1] + 2 * len(ctx_pos)]
@@ -136,9 +136,7 @@ class FusedDraftStep:
         batch = DraftBatch(b, w, ptr[0], ptr[1], ptr[2], len(ctx_pos), float_ptr(ctx), ptr[3], ptr[4], ptr[5],
                            width, ptr[6], context, float_ptr(hidden), float_ptr(scratch))
         self.run_kernel(batch)
-        block = torch.tensor(ids).view(b, w)
-        block_pos = torch.tensor(starts)[:, None] + torch.arange(w)[None]
-        return hidden.view(b, w, H), block, block_pos
+        return hidden.view(b, w, H), torch.tensor(ids).view(b, w), torch.tensor(block_pos).view(b, w)
 
     def run_kernel(self, batch: DraftBatch) -> None:
         """The C call itself (`dflash-bench profile` times it apart from the Python around it)."""
@@ -158,7 +156,7 @@ def fused_draft_step(drafter: FusedDrafter) -> FusedDraftStep | None:
     mode = cpu_step_mode()
     if mode == "torch":
         return None
-    reason = unsupported_draft(drafter)
+    reason = unsupported_draft(drafter) or threads_reason(mode)
     if reason is None:
         try:
             return FusedDraftStep(drafter, bound_library())

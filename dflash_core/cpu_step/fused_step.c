@@ -63,8 +63,7 @@ typedef struct {
     const int64_t *ids, *pos, *seq;      /* [T]: token id, position, its request's row of `tables` */
     const int64_t *tables;               /* [requests, table_len] block ids */
     int64_t requests, table_len;
-    int64_t *key_rows;                   /* [requests, context]: filled here, each position's cache row */
-    int64_t context;                     /* the longest position + 1 */
+    int64_t context;                     /* the longest position + 1 (scratch holds scores for that many keys) */
     const int64_t *hidden_ids;           /* hidden states to copy out: j is layer j's input, `layers` the normed */
     int64_t n_hidden;
     float *features;                     /* [T, n_hidden * H] or NULL */
@@ -179,12 +178,12 @@ static float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
-/* exp of each lane: Cephes' single-precision polynomial (about 1 ulp), the argument clamped to [-87.3, 88.7] (no
+/* exp of each lane: Cephes' single-precision polynomial (about 1 ulp), the argument clamped to [-87.3, 88.37] (no
  * overflow, no denormal); the same arithmetic wherever it runs, so every forward rounds alike */
 typedef int32_t veci __attribute__((vector_size(VW * 4)));
 
 static inline vec vexp(vec x) {
-    const vec hi = (vec){0} + 88.7f, lo = (vec){0} - 87.3f, magic = (vec){0} + 12582912.0f;
+    const vec hi = (vec){0} + 88.37f, lo = (vec){0} - 87.3f, magic = (vec){0} + 12582912.0f;
     veci above = x > hi, below = x < lo;  /* lanes -1 where true: a bitwise select (C has no vector ?:) */
     x = (vec)(((veci)x & ~above) | ((veci)hi & above));
     x = (vec)(((veci)x & ~below) | ((veci)lo & below));
@@ -231,25 +230,34 @@ static void softmax(float *s, int64_t n) {
     for (j = 0; j < n; j++) s[j] *= inv;
 }
 
-/* one query row's heads q [heads, d] over n_cache keys of the layer's cache (rows[j]: position j's row) and then
- * n_block keys of this forward (`block`: qkv rows of stride W, keys at column Q, values at Q + KV): out [heads, d] */
-static void attend(const Model *m, const Layer *L, const int64_t *rows, int64_t n_cache, const float *block,
+/* one query row's heads q [heads, d] over n_cache keys of the layer's cache (positions 0 .. n_cache - 1 of the
+ * request's block table `table`, walked block by block) and then n_block keys of this forward (`block`: qkv rows of
+ * stride W, keys at column Q, values at Q + KV): out [heads, d] */
+static void attend(const Model *m, const Layer *L, const int64_t *table, int64_t n_cache, const float *block,
                    int64_t n_block, int64_t W, const float *q, float *out, float *scores) {
     int64_t d = m->head_dim, kvh = m->kv_heads, group = m->heads / m->kv_heads, n = n_cache + n_block;
-    int64_t Q = m->heads * d, KV = kvh * d;
+    int64_t Q = m->heads * d, KV = kvh * d, kvb = m->kv_block;
     memset(out, 0, sizeof(float) * m->heads * d);
     for (int64_t g = 0; g < kvh; g++) {
-        for (int64_t j = 0; j < n; j++) {  /* scores [group, n]: a key row once for the group's heads */
-            const float *key = j < n_cache ? L->k_cache + (rows[j] * kvh + g) * d : block + (j - n_cache) * W + Q + g * d;
-            for (int64_t h = 0; h < group; h++) scores[h * n + j] = dot(q + (g * group + h) * d, key, d) * m->scale;
+        for (int64_t j0 = 0; j0 < n; j0 += kvb) {  /* scores [group, n]: a key row once for the group's heads */
+            int64_t row = j0 < n_cache ? table[j0 / kvb] * kvb : 0;
+            for (int64_t j = j0; j < j0 + kvb && j < n; j++) {
+                const float *key = j < n_cache ? L->k_cache + ((row + j - j0) * kvh + g) * d
+                                               : block + (j - n_cache) * W + Q + g * d;
+                for (int64_t h = 0; h < group; h++)
+                    scores[h * n + j] = dot(q + (g * group + h) * d, key, d) * m->scale;
+            }
         }
         for (int64_t h = 0; h < group; h++) softmax(scores + h * n, n);
-        for (int64_t j = 0; j < n; j++) {
-            const float *val = j < n_cache ? L->v_cache + (rows[j] * kvh + g) * d
-                                           : block + (j - n_cache) * W + Q + KV + g * d;
-            for (int64_t h = 0; h < group; h++) {
-                float p = scores[h * n + j], *o = out + (g * group + h) * d;
-                for (int64_t i = 0; i < d; i++) o[i] = fmaf(p, val[i], o[i]);
+        for (int64_t j0 = 0; j0 < n; j0 += kvb) {
+            int64_t row = j0 < n_cache ? table[j0 / kvb] * kvb : 0;
+            for (int64_t j = j0; j < j0 + kvb && j < n; j++) {
+                const float *val = j < n_cache ? L->v_cache + ((row + j - j0) * kvh + g) * d
+                                               : block + (j - n_cache) * W + Q + KV + g * d;
+                for (int64_t h = 0; h < group; h++) {
+                    float p = scores[h * n + j], *o = out + (g * group + h) * d;
+                    for (int64_t i = 0; i < d; i++) o[i] = fmaf(p, val[i], o[i]);
+                }
             }
         }
     }
@@ -316,32 +324,27 @@ static void layer_forward(const Model *m, const Layer *L, const Batch *b, float 
     int64_t T = b->tokens, d = m->head_dim, Q = m->heads * d, KV = m->kv_heads * d, W = Q + 2 * KV;
     project(m, L, T, h, b->pos, x, qkv);
     for (int64_t t = 0; t < T; t++) {  /* every token's keys and values in the cache before any query reads */
-        int64_t cr = b->key_rows[b->seq[t] * b->context + b->pos[t]];
+        const int64_t *table = b->tables + b->seq[t] * b->table_len;
+        int64_t cr = table[b->pos[t] / m->kv_block] * m->kv_block + b->pos[t] % m->kv_block;
         memcpy(L->k_cache + cr * KV, qkv + t * W + Q, sizeof(float) * KV);
         memcpy(L->v_cache + cr * KV, qkv + t * W + Q + KV, sizeof(float) * KV);
     }
     for (int64_t t = 0; t < T; t++)
-        attend(m, L, b->key_rows + b->seq[t] * b->context, b->pos[t] + 1, NULL, 0, W, qkv + t * W, att + t * Q,
+        attend(m, L, b->tables + b->seq[t] * b->table_len, b->pos[t] + 1, NULL, 0, W, qkv + t * W, att + t * Q,
                scores);
     finish(m, L, T, h, att, x, tmp, gu, act);
 }
 
-static void fill_key_rows(const Model *m, int64_t requests, const int64_t *tables, int64_t table_len,
-                          int64_t *key_rows, int64_t context) {
-    for (int64_t r = 0; r < requests; r++)
-        for (int64_t j = 0; j < context && j / m->kv_block < table_len; j++)
-            key_rows[r * context + j] = tables[r * table_len + j / m->kv_block] * m->kv_block + j % m->kv_block;
-}
-
-/* 0 on success; -1 when a position lies outside the rotary table */
+/* 0 on success; -1 (nothing written) when a position lies outside the rotary table or the request's table */
 int64_t dflash_forward(const Model *m, const Batch *b) {
     int64_t T = b->tokens, H = m->hidden, d = m->head_dim, I = m->inter;
     int64_t Q = m->heads * d, KV = m->kv_heads * d;
-    for (int64_t t = 0; t < T; t++)
-        if (b->pos[t] < 0 || b->pos[t] >= m->max_pos) return -1;
+    for (int64_t t = 0; t < T; t++)  /* a position outside the rotary table, the scratch or the request's table */
+        if (b->pos[t] < 0 || b->pos[t] >= m->max_pos || b->pos[t] >= b->context
+            || b->pos[t] / m->kv_block >= b->table_len || b->seq[t] < 0 || b->seq[t] >= b->requests)
+            return -1;
     float *h = b->scratch, *x = h + T * H, *tmp = x + T * H, *qkv = tmp + T * H, *att = qkv + T * (Q + 2 * KV);
     float *gu = att + T * Q, *act = gu + T * 2 * I, *scores = act + T * I;
-    fill_key_rows(m, b->requests, b->tables, b->table_len, b->key_rows, b->context);
     for (int64_t t = 0; t < T; t++)
         for (int64_t j = 0; j < H; j++) h[t * H + j] = m->embed[b->ids[t] * m->embed_row + j * m->embed_col];
     for (int64_t li = 0; li < m->layers; li++) {
@@ -368,8 +371,8 @@ typedef struct {
     const int64_t *ctx_pos, *ctx_row;    /* [n_ctx] their positions and draft cache rows */
     const int64_t *tables;               /* [b, table_len] block ids */
     int64_t table_len;
-    int64_t *key_rows;                   /* [b, context]: filled here */
-    int64_t context;                     /* the largest start */
+    const int64_t *pos;                  /* [b * w] the block rows' positions: start + column */
+    int64_t context;                     /* the largest start (scratch holds scores for context + w keys) */
     float *hidden;                       /* [b * w, H] out: the block rows' final-normed hidden states */
     float *scratch;                      /* dflash_draft_scratch_floats(...) floats */
 } DraftBatch;
@@ -385,20 +388,20 @@ int64_t dflash_draft_forward(const Model *m, const DraftBatch *b) {
     int64_t H = m->hidden, d = m->head_dim, I = m->inter, C = b->n_ctx, w = b->width, T = b->requests * w;
     int64_t Q = m->heads * d, KV = m->kv_heads * d, W = Q + 2 * KV;
     for (int64_t r = 0; r < b->requests; r++)
-        if (b->start[r] < 0 || b->start[r] + w > m->max_pos || b->start[r] > b->context) return -1;
+        if (b->start[r] < 0 || b->start[r] + w > m->max_pos || b->start[r] > b->context
+            || (b->start[r] + m->kv_block - 1) / m->kv_block > b->table_len || b->block_len[r] > w)
+            return -1;
     for (int64_t c = 0; c < C; c++)
         if (b->ctx_pos[c] < 0 || b->ctx_pos[c] >= m->max_pos) return -1;
     float *proj = b->scratch, *ctx = proj + C * H, *kv = ctx + C * H, *h = kv + C * 2 * KV, *x = h + T * H;
     float *tmp = x + T * H, *qkv = tmp + T * H, *att = qkv + T * W, *gu = att + T * Q, *act = gu + T * 2 * I;
     float *scores = act + T * I;
-    int64_t *pos = b->key_rows + b->requests * b->context;  /* [T] block positions, after the key rows */
-    fill_key_rows(m, b->requests, b->tables, b->table_len, b->key_rows, b->context);
+    const int64_t *pos = b->pos;
     if (C) {  /* the context rows: fc, then its norm */
         gemm(C, m->feat, H, b->ctx, m->feat, m->fc, H, proj, H);
         for (int64_t c = 0; c < C; c++) rms_norm(proj + c * H, m->hidden_norm, m->eps, H, ctx + c * H);
     }
     for (int64_t t = 0; t < T; t++) {
-        pos[t] = b->start[t / w] + t % w;
         for (int64_t j = 0; j < H; j++)
             h[t * H + j] = m->embed[b->ids[t] * m->embed_row + j * m->embed_col] * m->embed_scale;
     }
@@ -422,7 +425,7 @@ int64_t dflash_draft_forward(const Model *m, const DraftBatch *b) {
         project(m, L, T, h, pos, x, qkv);
         for (int64_t t = 0; t < T; t++) {  /* every query sees its context and its block's first block_len keys */
             int64_t r = t / w;
-            attend(m, L, b->key_rows + r * b->context, b->start[r], qkv + r * w * W, b->block_len[r], W,
+            attend(m, L, b->tables + r * b->table_len, b->start[r], qkv + r * w * W, b->block_len[r], W,
                    qkv + t * W, att + t * Q, scores);
         }
         finish(m, L, T, h, att, x, tmp, gu, act);
