@@ -170,6 +170,16 @@ def test_more_torch_threads_keep_the_pytorch_forward(monkeypatch):
         torch.set_num_threads(1)
 
 
+def test_an_unwritable_cache_folder_leaves_the_pytorch_forward(monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv(build.CACHE_ENV, str(blocker / "cpu_step"))  # under a file: no folder can be made there
+    model = make_target(None, "qwen3")
+    assert _runner(model, monkeypatch, "auto").cpu_step == "torch"
+    with pytest.raises(ValueError, match="cannot write the library"):
+        _runner(model, monkeypatch, "fused")
+
+
 def test_the_library_is_built_once_per_machine(monkeypatch, tmp_path):
     monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
     monkeypatch.setenv("CC", f"env {shutil.which('cc') or shutil.which('gcc')}")  # a compiler command with arguments

@@ -74,10 +74,13 @@ def _key(cc: list[str]) -> str:
 
 
 def _build(cc: list[str], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # built beside its final name and renamed: a process loading it never sees half a file
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
+    try:  # a cache folder that cannot be made (a read-only home): the PyTorch forward, not a failed start
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # built beside its final name and renamed: a process loading it never sees half a file
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+    except OSError as e:
+        raise CpuStepUnavailable(f"cannot write the library to {out.parent} ({CACHE_ENV} moves it): {e}") from e
     try:
         proc = subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
                               timeout=300)
