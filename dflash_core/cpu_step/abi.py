@@ -15,7 +15,7 @@ import torch
 
 from dflash_core.cpu_step.build import CpuStepUnavailable, load_library
 
-__all__ = ["Batch", "DraftBatch", "LayerTensors", "ModelView", "bound_library", "float_ptr", "int_ptr"]
+__all__ = ["Batch", "DraftBatch", "LayerTensors", "ModelView", "Scratch", "bound_library", "float_ptr", "int_ptr"]
 
 _f = ctypes.POINTER(ctypes.c_float)
 _i = ctypes.POINTER(ctypes.c_int64)
@@ -74,6 +74,18 @@ def bound_library() -> ctypes.CDLL:
     lib.dflash_draft_scratch_floats.restype = _i64
     lib.dflash_draft_scratch_floats.argtypes = [model, _i64, _i64, _i64, _i64]
     return lib
+
+
+class Scratch:
+    """A forward's float32 work space for C, grown (doubling) as calls need more and kept between calls."""
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0)
+
+    def at_least(self, floats: int) -> torch.Tensor:
+        if self._buffer.numel() < floats:
+            self._buffer = torch.empty(max(floats, 2 * self._buffer.numel()), dtype=torch.float32)
+        return self._buffer
 
 
 @dataclass

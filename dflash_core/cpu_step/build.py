@@ -9,6 +9,7 @@ raises `CpuStepUnavailable` with the reason; the caller falls back to the PyTorc
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -61,7 +62,10 @@ def _compiler() -> list[str]:
     return [cc]
 
 
-def _key(cc: list[str]) -> str:
+@functools.lru_cache(maxsize=8)
+def _key(cc: tuple[str, ...]) -> str:
+    """The library's name: a hash of the source, the flags, the compiler's version and the CPU (once per process
+    and compiler command: every runner built asks, and `cc --version` is a subprocess)."""
     try:
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
@@ -98,7 +102,7 @@ def load_library() -> ctypes.CDLL:
     """The fused step's library, built first when this machine has no copy of it yet (a second or two)."""
     with _lock:
         cc = _compiler()
-        path = cache_dir() / f"fused_step-{_key(cc)}.so"
+        path = cache_dir() / f"fused_step-{_key(tuple(cc))}.so"
         if str(path) in _loaded:
             return _loaded[str(path)]
         if not path.exists():

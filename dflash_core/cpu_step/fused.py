@@ -17,11 +17,11 @@ import logging
 import os
 from array import array
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
-from dflash_core.cpu_step.abi import Batch, LayerTensors, ModelView, bound_library, float_ptr, int_ptr
+from dflash_core.cpu_step.abi import Batch, LayerTensors, ModelView, Scratch, bound_library, float_ptr, int_ptr
 from dflash_core.cpu_step.build import CpuStepUnavailable
 from dflash_core.runners.base import TargetOutput
 from dflash_core.runners.dense import DenseLayer, norm_eps
@@ -29,10 +29,11 @@ from dflash_core.runners.paged import PagedTarget, Rows
 from dflash_core.weight_layout import is_input_major, store_input_major, stores_input_major
 
 __all__ = ["CPU_STEP_ENV", "CPU_STEP_MODES", "FUSED_PREFILL_TOKENS", "FusedCpuStep", "FusedTarget", "cpu_step_mode",
-           "fused_cpu_step", "lay_out_for_fused_step", "threads_reason", "unsupported"]
+           "fused_cpu_step", "fused_or_none", "lay_out_for_fused_step", "threads_reason", "unsupported"]
 
 log = logging.getLogger("dflash.cpu_step")
 
+T = TypeVar("T")
 CPU_STEP_ENV = "DFLASH_CPU_STEP"
 # a prefill forward of more tokens than this runs the PyTorch forward: on hundreds of rows MKL's products run about
 # twice as fast as the C's (one thread, 512 x 1024 x 4096: 146 against 74 GFLOP/s on the development VM), and
@@ -132,13 +133,7 @@ class FusedCpuStep:
         self.target = target
         self._lib = lib
         self.view = target_view(target)
-        self._scratch = torch.empty(0)
-
-    def _scratch_for(self, tokens: int, context: int) -> torch.Tensor:
-        need = int(self._lib.dflash_scratch_floats(ctypes.byref(self.view.model), tokens, context))
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(max(need, 2 * self._scratch.numel()), dtype=torch.float32)
-        return self._scratch
+        self._scratch = Scratch()
 
     @staticmethod
     def serves(rows: Rows, last_only: bool) -> bool:
@@ -178,7 +173,8 @@ class FusedCpuStep:
         o_heads = o_hid + len(hidden)
         batch = Batch(T, at(0), at(T), at(2 * T), at(o_tab), len(rows), width, context, at(o_hid), len(hidden),
                       float_ptr(feat), at(o_heads), len(heads), float_ptr(logits),
-                      float_ptr(self._scratch_for(T, context)))
+                      float_ptr(self._scratch.at_least(self._lib.dflash_scratch_floats(
+                          ctypes.byref(self.view.model), T, context))))
         self.run_kernel(batch)
         return PagedTarget.split_rows(rows, logits, feat, last_only)
 
@@ -188,20 +184,29 @@ class FusedCpuStep:
             raise ValueError(f"a position beyond the rotary table ({self.target.max_len})")
 
 
+def fused_or_none(what: str, reason: str | None, build: Callable[[ctypes.CDLL], T], refuse: bool,
+                  on_cpu: bool) -> T | None:
+    """One fused step as `DFLASH_CPU_STEP` asks, for the target or the draft (`what`): `build(library)` where
+    nothing stands in the way (`reason` None: it applies, at this thread count); else None, logged once on a CPU,
+    or (`refuse`: the mode is `fused` where the caller says it must run) a ValueError with the reason."""
+    if reason is None:
+        try:
+            return build(bound_library())
+        except CpuStepUnavailable as e:
+            reason = str(e)
+    if refuse:
+        raise ValueError(f"{CPU_STEP_ENV}=fused: the fused CPU step cannot run this {what}: {reason}")
+    if on_cpu:
+        log.info("fused CPU %s off: %s (the PyTorch forward runs)", "step" if what == "target" else "draft step",
+                 reason)
+    return None
+
+
 def fused_cpu_step(target: FusedTarget) -> FusedCpuStep | None:
     """The fused step for `target` as `DFLASH_CPU_STEP` asks: None where it is off, or (auto) where it does not
     apply or cannot be built (logged once); `fused` raises a ValueError with the reason instead."""
     mode = cpu_step_mode()
     if mode == "torch":
         return None
-    reason = unsupported(target) or threads_reason(mode)
-    if reason is None:
-        try:
-            return FusedCpuStep(target, bound_library())
-        except CpuStepUnavailable as e:
-            reason = str(e)
-    if mode == "fused":
-        raise ValueError(f"{CPU_STEP_ENV}=fused: the fused CPU step cannot run this target: {reason}")
-    if target.device.type == "cpu":
-        log.info("fused CPU step off: %s (the PyTorch forward runs)", reason)
-    return None
+    return fused_or_none("target", unsupported(target) or threads_reason(mode),
+                         lambda lib: FusedCpuStep(target, lib), mode == "fused", target.device.type == "cpu")

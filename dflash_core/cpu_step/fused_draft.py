@@ -19,9 +19,8 @@ from typing import Protocol
 
 import torch
 
-from dflash_core.cpu_step.abi import DraftBatch, LayerTensors, ModelView, bound_library, float_ptr, int_ptr
-from dflash_core.cpu_step.build import CpuStepUnavailable
-from dflash_core.cpu_step.fused import CPU_STEP_ENV, cpu_step_mode, threads_reason
+from dflash_core.cpu_step.abi import DraftBatch, LayerTensors, ModelView, Scratch, float_ptr, int_ptr
+from dflash_core.cpu_step.fused import cpu_step_mode, fused_or_none, threads_reason
 from dflash_core.draft import DFlashDraft
 from dflash_core.draft_cache import PagedDraftCache
 from dflash_core.kv.pool import blocks_for
@@ -67,10 +66,7 @@ def unsupported_draft(drafter: FusedDrafter) -> str | None:
             return "draft weights not stored input-major"
     if not is_input_major(draft.fc.weight) or draft.fc.bias is not None:
         return "a context projection not stored input-major"
-    eps = {m.eps for m in draft.modules() if hasattr(m, "eps") and isinstance(m.eps, float)}
-    if len(eps) != 1:
-        return "norms of different epsilons"
-    return None
+    return None  # every norm of a DFlashDraft has cfg.rms_norm_eps, what C is given
 
 
 def draft_view(drafter: FusedDrafter) -> ModelView:
@@ -99,7 +95,7 @@ class FusedDraftStep:
         self.drafter = drafter
         self._lib = lib
         self.view = draft_view(drafter)
-        self._scratch = torch.empty(0)
+        self._scratch = Scratch()
 
     def hidden(self, items: Sequence[DraftRequest], pending: Sequence[torch.Tensor | None]
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -132,7 +128,8 @@ class FusedDraftStep:
         offsets.append(offsets[-1] + len(tables))
         ptr = [int_ptr(base + o * size) for o in offsets]
         hidden = torch.empty(b * w, H, dtype=torch.float32)
-        scratch = self._scratch_for(b, w, len(ctx_pos), context)
+        scratch = self._scratch.at_least(self._lib.dflash_draft_scratch_floats(
+            ctypes.byref(self.view.model), b, w, len(ctx_pos), context))
         batch = DraftBatch(b, w, ptr[0], ptr[1], ptr[2], len(ctx_pos), float_ptr(ctx), ptr[3], ptr[4], ptr[5],
                            width, ptr[6], context, float_ptr(hidden), float_ptr(scratch))
         self.run_kernel(batch)
@@ -143,11 +140,6 @@ class FusedDraftStep:
         if self._lib.dflash_draft_forward(ctypes.byref(self.view.model), ctypes.byref(batch)) != 0:
             raise ValueError(f"a draft position beyond the rotary table ({self.view.model.max_pos})")
 
-    def _scratch_for(self, b: int, w: int, n_ctx: int, context: int) -> torch.Tensor:
-        need = int(self._lib.dflash_draft_scratch_floats(ctypes.byref(self.view.model), b, w, n_ctx, context))
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(max(need, 2 * self._scratch.numel()), dtype=torch.float32)
-        return self._scratch
 
 
 def fused_draft_step(drafter: FusedDrafter) -> FusedDraftStep | None:
@@ -156,15 +148,7 @@ def fused_draft_step(drafter: FusedDrafter) -> FusedDraftStep | None:
     mode = cpu_step_mode()
     if mode == "torch":
         return None
-    reason = unsupported_draft(drafter) or threads_reason(mode)
-    if reason is None:
-        try:
-            return FusedDraftStep(drafter, bound_library())
-        except CpuStepUnavailable as e:
-            reason = str(e)
-    if mode == "fused" and drafter.target.device.type == "cpu" and drafter.target.dtype == torch.float32 and (
-            drafter.static is None):
-        raise ValueError(f"{CPU_STEP_ENV}=fused: the fused CPU step cannot run this draft: {reason}")
-    if drafter.target.device.type == "cpu":
-        log.info("fused CPU draft step off: %s (the PyTorch forward runs)", reason)
-    return None
+    device, dtype = drafter.target.device, drafter.target.dtype
+    refuse = mode == "fused" and device.type == "cpu" and dtype == torch.float32 and drafter.static is None
+    return fused_or_none("draft", unsupported_draft(drafter) or threads_reason(mode),
+                         lambda lib: FusedDraftStep(drafter, lib), refuse, device.type == "cpu")
