@@ -86,6 +86,7 @@ class LoadedModels:
     backend: str = "hf"
     memory: MemoryBudget | None = None  # the start-up memory plan (logged)
     quantization: str | None = None  # the target's quantized linear weights (`quant.loader.weights_format`)
+    cpu_step: str = "torch"  # what runs the target's forwards on a CPU (`TargetRunner.cpu_step`)
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -275,6 +276,7 @@ def load_models(config: EngineConfig, warm_up: bool = True) -> LoadedModels:
         backend=target_model.backend,
         memory=budget,
         quantization=weights_format(model),
+        cpu_step=target_model.cpu_step,
     )
 
 

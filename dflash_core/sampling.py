@@ -269,8 +269,8 @@ def choose_token_tensor(logits: torch.Tensor, params: SamplingParams, seed: int,
 
 
 def choose_tokens(logits: torch.Tensor, params: SamplingParams, seed: int, first_position: int) -> list[int]:
-    """`choose_token_tensor`, on the host."""
-    return choose_token_tensor(logits, params, seed, first_position).tolist()
+    """`choose_token_tensor`, on the host (one counted transfer)."""
+    return to_host(choose_token_tensor(logits, params, seed, first_position))
 
 
 def float_bits(value: float) -> int:

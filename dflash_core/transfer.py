@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from dflash_core.overlap import run_held
+
 
 @dataclass
 class TransferCounts:
@@ -134,6 +136,8 @@ class HostToDevice:
 
 
 def to_host(t: torch.Tensor) -> list:
-    """`t.tolist()`, counted as one device-to-host transfer."""
+    """`t.tolist()`, counted as one device-to-host transfer. On a GPU the host waits here for the step's kernels:
+    what this thread holds runs first (`dflash_core/overlap.py`), overlapping them."""
     _count(d2h=1)
+    run_held()
     return t.tolist()

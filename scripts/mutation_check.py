@@ -266,6 +266,12 @@ MUTATIONS: tuple[Mutation, ...] = (
       f"{CPU_STEP}::test_fused_forward_matches_the_pytorch_forward"),
     m("fused_gemm_chains_restart_per_block_of_k", FUSED_C, "gemm", "int first = k0 == 0;", "int first = 1;",
       f"{CPU_STEP}::test_fused_forward_matches_the_pytorch_forward"),
+    m("held_events_overtaken_by_a_direct_post", "server/worker.py", "Worker._post",
+      "            run_held()\n            h.post(event)", "            h.post(event)",
+      "tests/test_worker_fake.py::test_an_event_posted_between_steps_comes_after_the_tokens_of_the_step_before"),
+    m("held_work_waits_past_the_fused_call", "dflash_core/cpu_step/fused.py", "FusedCpuStep.run_kernel",
+      "        run_held()\n        if self._lib.dflash_forward(", "        if self._lib.dflash_forward(",
+      "tests/test_overlap.py"),
     m("fused_draft_sees_padding_keys", FUSED_C, "dflash_draft_forward", "b->block_len[r], W,", "w, W,",
       f"{CPU_STEP}::test_fused_draft_proposes_as_the_pytorch_draft"),
     Mutation("logprobs_of_processed_logits", ACCEPT, "Engine._prefilled, Engine._accept", (

@@ -6,6 +6,9 @@ a cross-core wake-up (an inter-processor interrupt, expensive in a VM); on one c
 With one torch thread on a CPU device the worker's ops are small and the loop's work interleaves with them
 rather than overlapping them: on the 2-core development VM one streamed plain-decoding request ran 7-18% faster
 with the two threads on one core, eight DFlash streams 6% faster (docs/benchmarks.md, "The serving paths").
+The fused CPU step (`dflash_core/cpu_step/`) turns that around: a forward is one C call that releases the GIL, the
+worker posts a step's events as it enters it (`dflash_core/overlap.py`), and the loop's work runs on the other
+core meanwhile, so the default is off there (one stream 5-11% faster, eight 5-14%).
 
 Pinned after warm-up: torch's intra-op threads, created earlier, keep the whole set. Threads and processes that
 the pinned threads start later would inherit the single core: pool threads get the original set back when they
@@ -33,9 +36,10 @@ def supported() -> bool:
     return hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) > 1
 
 
-def default_on(device: str, torch_threads: int) -> bool:
-    """On by default for a CPU device with one torch thread (the case measured); elsewhere opt-in."""
-    return device == "cpu" and torch_threads == 1
+def default_on(device: str, torch_threads: int, cpu_step: str) -> bool:
+    """On by default for a CPU device with one torch thread whose forwards run PyTorch's operators (`cpu_step`
+    "torch", the case measured); off where they run as one fused C call ("fused"), and elsewhere opt-in."""
+    return device == "cpu" and torch_threads == 1 and cpu_step == "torch"
 
 
 def current_core() -> int | None:
@@ -81,6 +85,17 @@ def sharing_one_core(thread_ids: list[int]) -> Iterator[int]:
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(tid, cores)
         _set_original(saved)
+
+
+def release_current_thread() -> None:
+    """The calling thread back on the process's cores from before any pin, and nothing remembered as pinned: an
+    in-process server that has stopped (tests run many, on the thread that ran their event loops)."""
+    global _pinned
+    if _original is not None:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, _original)
+    _set_original(None)
+    _pinned = None
 
 
 def _set_original(cores: set[int] | None) -> None:

@@ -19,7 +19,7 @@ from server.api_error import APIError, error_body
 from server.protocol import new_id
 
 if TYPE_CHECKING:
-    from server.worker import WorkerEvent
+    from server.handoff import WorkerEvent
 
 log = logging.getLogger("dflash.server")
 

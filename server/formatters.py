@@ -23,7 +23,7 @@ from server.protocol import now_ts, usage_dict
 if TYPE_CHECKING:
     from dflash_core.detokenize import TokenStrings
     from dflash_core.outputs import TokenLogprob
-    from server.worker import WorkerEvent
+    from server.handoff import WorkerEvent
 
 
 @dataclass

@@ -25,8 +25,9 @@ from server.chat_request import ChatCompletionRequest
 from server.completion_request import CompletionRequest
 from server.context_length import resolve_max_tokens
 from server.generation_config import GenerationDefaults
+from server.handoff import RequestHandle, WorkerEvent
 from server.parsing import Limiter
-from server.worker import QueueFullError, RequestHandle, Worker, WorkerEvent
+from server.worker import QueueFullError, Worker
 
 log = logging.getLogger("dflash.server")
 

@@ -59,7 +59,8 @@ class Settings(EngineConfig):
     one_core: bool | None = _setting(
         None, "run the event loop and the worker thread on one core after warm-up: the two take turns holding "
         "Python's GIL, and a hand-off between cores costs a cross-core wake-up (default: on for a CPU device with "
-        "one torch thread, off elsewhere; Linux)")
+        "one torch thread running PyTorch's forward; off with the fused CPU step, whose C call lets the loop work "
+        "on another core, and elsewhere; Linux)")
     header_timeout: float = _setting(
         10.0,
         "seconds a client has to send a request's headers once connected (or after the previous "

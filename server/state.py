@@ -18,6 +18,7 @@ from dflash_core.config import EngineConfig
 from dflash_core.detokenize import TokenStrings
 from dflash_core.loading import DEMO_DRAFT, DEMO_TARGET, LoadedModels, load_models
 from dflash_core.memory import parse_bytes
+from dflash_core.overlap import pays_to_hold
 from server import affinity
 from server.adapt import DraftAdapter, adapt_settings
 from server.chat_setup import ChatSetup
@@ -105,6 +106,7 @@ class ServerState:
             on_warm_up_error=lambda exc: self._failed(exc, on_error),
             on_ready=self._one_core if self._wants_one_core(models) else None,
             recorder=self.recorder, model_name=self.served_model_name,
+            hold_events=pays_to_hold(models.device, models.cpu_step),
         )
         worker.start()
         self.swapper = DraftSwapper(models, worker, self.metrics, display_name)
@@ -130,13 +132,13 @@ class ServerState:
         )
 
     def _wants_one_core(self, models: LoadedModels) -> bool:
-        """``--one-core``, or its default: a CPU device with one torch thread; only where the event loop is known
+        """``--one-core``, or its default (`affinity.default_on`); only where the event loop is known
         (not in a Ray replica) and thread affinity can be set."""
         import torch
 
         wanted = self.settings.one_core
         if wanted is None:
-            wanted = affinity.default_on(models.device, torch.get_num_threads())
+            wanted = affinity.default_on(models.device, torch.get_num_threads(), models.cpu_step)
         if not wanted:
             return False
         why = "the event loop is not known here" if self.loop is None else (

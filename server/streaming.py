@@ -22,8 +22,8 @@ from starlette.types import Receive, Scope, Send
 
 from server.errors import event_error, internal_error
 from server.formatters import Choice, ResponseFormatter
+from server.handoff import WorkerEvent
 from server.runs import Run
-from server.worker import WorkerEvent
 
 log = logging.getLogger("dflash.server")
 

@@ -4,16 +4,15 @@ The event loop submits ``RequestHandle`` objects; the thread admits up to ``max_
 the engine (the rest wait in a bounded queue), calls ``Engine.step()``, detokenizes every output right
 away (stop strings are found here, so a stopped request is aborted before it wastes another step),
 and posts ``WorkerEvent`` objects to each request's asyncio queue with ``loop.call_soon_threadsafe``: a step's
-events together, so a step of many streams wakes the event loop once.
+events together, so a step of many streams wakes the event loop once; where the forwards wait for the device
+without the GIL, held until the next step's forward does (``dflash_core/overlap.py``): the loop's work overlaps it.
 No model call ever runs on the event loop.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
-import itertools
 import logging
 import queue
 import threading
@@ -24,14 +23,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dflash_core.detokenize import OutputText
+from dflash_core.overlap import hold, run_held
 from dflash_core.stats import SpecSummary
-from server.handoff import Delivery, post_all
+from server.handoff import Delivery, RequestHandle, WorkerError, WorkerEvent, post_all
 from server.serving_engine import ServingEngine
 from server.traffic import TrafficSink, finished
 
 if TYPE_CHECKING:
-    from dflash_core.outputs import StepOutput, TokenLogprob
-    from dflash_core.sampling import SamplingParams
+    from dflash_core.outputs import StepOutput
     from server.metrics import ServerMetrics
 
 log = logging.getLogger("dflash.worker")
@@ -41,54 +40,6 @@ SHUTTING_DOWN = "server is shutting down"
 
 class QueueFullError(Exception):
     """The waiting queue is full (answered with 429)."""
-
-
-@dataclass
-class WorkerError:
-    """A failure of one request: HTTP status, OpenAI error type, message."""
-
-    status: int
-    type: str
-    message: str
-
-
-@dataclass
-class WorkerEvent:
-    """What one engine step produced for one request (one SSE chunk at most)."""
-
-    index: int
-    text: str = ""
-    num_tokens: int = 0  # tokens committed this step (counted in usage)
-    logprobs: list[TokenLogprob] | None = None  # one per token whose text is part of the output
-    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last event
-    completion_tokens: int = 0  # on the last event: tokens of the whole request
-    spec: SpecSummary | None = None  # on the last event
-    cached_tokens: int = 0  # on the last event: prompt tokens served from the prefix cache (usage)
-    error: WorkerError | None = None  # the request failed (last event)
-
-
-_ids = itertools.count()
-
-
-@dataclass(eq=False)
-class RequestHandle:
-    """One engine request as seen by the event loop (a choice of an HTTP request)."""
-
-    index: int
-    prompt_token_ids: list[int]
-    params: SamplingParams  # its `stop` strings are applied here, by the request's OutputText
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[WorkerEvent]
-    request_id: str = ""  # for logs: "<response id>-<choice index>"
-    skip_special_tokens: bool = True  # the output text's detokenization (vLLM's request field)
-    include_stop_str: bool = False  # a stop string stays in the text (vLLM's include_stop_str_in_output)
-    record: bool = False  # hand it to the worker's traffic recorder when it finishes (not with "store": false)
-    arrival: float = field(default_factory=time.monotonic)
-    uid: int = field(default_factory=lambda: next(_ids))
-
-    def post(self, event: WorkerEvent) -> None:
-        """Hand an event to the event loop (thread-safe)."""
-        post_all([(self.loop, self.queue, event)])
 
 
 @dataclass(eq=False)
@@ -114,12 +65,16 @@ class Worker:
         self, engine: ServingEngine, tokenizer: Any, metrics: ServerMetrics, *, max_running: int, max_waiting: int,
         warm_up: Callable[[], Any] | None = None, on_warm_up_error: Callable[[Exception], None] | None = None,
         on_ready: Callable[[], None] | None = None, recorder: TrafficSink | None = None, model_name: str = "",
+        hold_events: bool = False,
     ) -> None:
         """``warm_up`` (``Engine.warm_up``) runs first on the worker's own thread, the one that runs the steps
         (recorded CUDA graphs are per thread); the worker is ``ready`` once it has run. If it raises, the thread
         ends and ``on_warm_up_error`` gets the exception. ``on_ready`` runs on the worker's thread after the
-        warm-up, before the first request (the server pins threads there); if it raises, the error is logged."""
+        warm-up, before the first request (the server pins threads there); if it raises, the error is logged.
+        ``hold_events``: a step's events wait for the next forward's wait for the device (where holding pays,
+        ``dflash_core.overlap.pays_to_hold``) instead of being posted when the step ends."""
         self._engine = engine
+        self._hold_events = hold_events
         self._recorder, self._model_name = recorder, model_name  # --record-traffic: finished requests go there
         self._tokenizer = tokenizer
         self._metrics = metrics
@@ -237,6 +192,7 @@ class Worker:
         """Take commands, admit, step once; True when asked to stop."""
         cmds: list[tuple[str, Any]] = []
         if not self._waiting and not self._active:  # idle: block, waking now and then for the summary log
+            run_held()  # no forward comes to post the last step's events
             try:
                 cmds.append(self._inbox.get(timeout=IDLE_WAKE_S))
             except queue.Empty:
@@ -322,11 +278,17 @@ class Worker:
             self._step_outputs()
         finally:
             outbox, self._outbox = self._outbox, None
-            post_all(outbox)
+            run_held()  # the previous step's events, if this step had no forward to post them: order kept
+            if outbox and self._hold_events:  # posted when the next forward waits for the device (or earlier)
+                hold(lambda: post_all(outbox))
+            elif outbox:
+                post_all(outbox)
 
     def _post(self, h: RequestHandle, event: WorkerEvent) -> None:
-        """Post now, or with the rest of the step's events while a step's outputs are processed."""
+        """Post now (after what is held, in order), or with the rest of the step's events while a step's outputs
+        are processed."""
         if self._outbox is None:
+            run_held()
             h.post(event)
         else:
             self._outbox.append((h.loop, h.queue, event))
@@ -488,6 +450,7 @@ class Worker:
 
     def _shutdown(self) -> None:
         """Abort whatever is still in flight (the server is going away); calls still queued are cancelled."""
+        run_held()
         while not self._inbox.empty():  # what came in meanwhile: requests failed below, calls cancelled
             kind, obj = self._inbox.get_nowait()
             if kind == "add":

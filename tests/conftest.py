@@ -11,6 +11,7 @@ with ``@pytest.mark.slow``.
 """
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -63,6 +64,17 @@ SLOW_TESTS = {
 CORE_FILES = ("test_engine.py", "test_native.py", "test_hybrid.py", "test_draft.py", "test_draft_device.py",
               "test_exactness.py", "test_compile.py", "test_sampling_reference.py", "test_step_timing.py",
               "test_quant.py", "test_quant_mxfp4.py")
+
+
+@pytest.fixture(autouse=True)
+def _test_thread_on_every_core() -> Iterator[None]:
+    """An in-process server (`--one-core` is its default on a CPU) pins the thread that ran its event loop, often
+    this one: after each test it goes back on every core, or the rest of the session, and every process it starts,
+    would share one core."""
+    yield
+    from server import affinity
+
+    affinity.release_current_thread()
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 from dflash_core.grammar import GrammarBackend
 from dflash_core.outputs import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, StepOutput
+from dflash_core.overlap import run_held
 from dflash_core.sampling import SamplingParams
 from dflash_core.stats import RequestStats
 
@@ -195,6 +196,7 @@ class FakeEngine:
             self.released.add(request_id)
 
     def step(self) -> list[StepOutput]:
+        run_held()  # where a real step's forward waits for the device (dflash_core/overlap.py)
         with self._lock:
             self.steps += 1
             error, self._step_error = self._step_error, None

@@ -59,3 +59,21 @@ def test_a_pool_thread_started_by_a_pinned_thread_gets_the_original_cores_back_f
         inherited = pool.submit(lambda: os.sched_getaffinity(0)).result()
         freed = pool.submit(affinity.unpinned(lambda: os.sched_getaffinity(0))).result()
     assert inherited == {core} and freed == before
+
+
+def test_one_core_is_the_default_only_where_pytorch_runs_a_cpu_forward_on_one_thread() -> None:
+    """The fused CPU step's C call releases the GIL for the whole forward: the event loop then works on another
+    core meanwhile, so it does not share the worker's."""
+    assert affinity.default_on("cpu", 1, "torch")
+    assert not affinity.default_on("cpu", 1, "fused")
+    assert not affinity.default_on("cpu", 2, "torch")
+    assert not affinity.default_on("cuda", 1, "torch")
+
+
+def test_a_thread_released_after_a_pin_is_back_on_every_core_and_nothing_is_remembered() -> None:
+    before = os.sched_getaffinity(0)
+    affinity.pin_current_thread(affinity.choose_core())
+    assert affinity.cores_beside_the_worker() is not None
+    affinity.release_current_thread()
+    assert os.sched_getaffinity(0) == before
+    assert affinity.cores_beside_the_worker() is None

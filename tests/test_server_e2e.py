@@ -78,7 +78,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     ar = start_server(
         ["--config", str(config), "--served-model-name", SERVED_NAME, "--no-speculative"],
         tmp / "ar.log",
-        env={"DFLASH_SERVED_MODEL_NAME": "from-env", "DFLASH_MAX_RUNNING_REQUESTS": "2"},
+        # PyTorch's forward (not the fused CPU step): `--one-core` is then on by default, as the test below checks
+        env={"DFLASH_SERVED_MODEL_NAME": "from-env", "DFLASH_MAX_RUNNING_REQUESTS": "2", "DFLASH_CPU_STEP": "torch"},
     )
     try:
         spec.wait_ready()
@@ -770,13 +771,18 @@ def test_full_queue_answers_429(servers: Servers) -> None:
 
 
 def test_event_loop_and_worker_share_one_core_and_helpers_keep_every_core(servers: Servers) -> None:
-    """`--one-core`, the default on a CPU device with one torch thread: the event loop's thread (the main thread)
-    is on the core the log names, with the worker thread beside it; a helper process started afterwards (a body
-    with many values is parsed in one) and the tokenization pool's threads run on every core the server had."""
+    """`--one-core`, the default on a CPU device with one torch thread running PyTorch's forward: the event loop's
+    thread (the main thread) is on the core the log names, with the worker thread beside it; a helper process
+    started afterwards (a body with many values is parsed in one) and the tokenization pool's threads run on every
+    core the server had. With the fused CPU step (the DFlash server) nothing is pinned: the loop works on the other
+    core while the step's C call runs."""
     from server import affinity
 
     if not affinity.supported():
         pytest.skip("thread affinity needs Linux and more than one core")
+    fused = servers.spec
+    assert "event loop and worker thread on core" not in fused.log.read_text(), fused.log_tail()
+    assert all(cores == os.sched_getaffinity(0) for cores in _threads_cores(fused.proc.pid).values())
     server = servers.ar
     logged = [line for line in server.log.read_text().splitlines() if "event loop and worker thread on core" in line]
     assert len(logged) == 1, server.log_tail()

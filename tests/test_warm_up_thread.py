@@ -17,10 +17,11 @@ from dflash_core.config import EngineConfig
 from dflash_core.loading import LoadedModels, load_models
 from dflash_core.sampling import SamplingParams
 from server.app import create_app
+from server.handoff import RequestHandle
 from server.metrics import ServerMetrics
 from server.settings import Settings
 from server.state import ServerState
-from server.worker import RequestHandle, Worker
+from server.worker import Worker
 from tests.fake_engine import FakeEngine, Script, demo_tokenizer, wait_until
 from tests.helpers import make_tiny_pair
 

@@ -1,5 +1,6 @@
 """The worker thread against a scripted engine: admission, queueing, abort, stop strings split across steps,
-per-request and whole-step engine failures, fail_all / stop, and the speculative summary."""
+per-request and whole-step engine failures, fail_all / stop, and the speculative summary; each with a step's
+events posted when it ends and held for the next step's wait for the device (`hold_events`)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,19 @@ from typing import Any, TypeVar
 import pytest
 
 from dflash_core.sampling import SamplingParams
+from server.handoff import RequestHandle, WorkerEvent
 from server.metrics import ServerMetrics
-from server.worker import QueueFullError, RequestHandle, Worker, WorkerEvent
+from server.worker import QueueFullError, Worker
 from tests.fake_engine import Fail, FakeEngine, Script, demo_tokenizer, wait_until
 
 T = TypeVar("T")
 TEST_TIMEOUT_S = 10.0
+HOLD = {"events": False}  # the worker's `hold_events` in this test (every test runs both ways)
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["posted-at-once", "held-for-the-next-step"])
+def _hold_events(request: pytest.FixtureRequest) -> None:
+    HOLD["events"] = request.param
 
 
 def run(test: Callable[[], Awaitable[T]]) -> T:
@@ -27,7 +35,8 @@ def run(test: Callable[[], Awaitable[T]]) -> T:
 @asynccontextmanager
 async def serving(engine: FakeEngine, max_running: int = 2, max_waiting: int = 4) -> AsyncIterator[Worker]:
     metrics = ServerMetrics(block_size=engine.block_size, target="fake", draft="fake", device="cpu", backend="fake")
-    worker = Worker(engine, demo_tokenizer(), metrics, max_running=max_running, max_waiting=max_waiting)
+    worker = Worker(engine, demo_tokenizer(), metrics, max_running=max_running, max_waiting=max_waiting,
+                    hold_events=HOLD["events"])
     worker.start()
     try:
         yield worker
@@ -342,5 +351,34 @@ def test_a_call_between_steps_runs_on_the_worker_thread_and_a_stopped_worker_can
             assert text(await events(h)) == "abcdef"
         late = worker.between_steps(lambda: 1)
         assert late.cancelled()
+
+    run(test)
+
+
+def test_an_event_posted_between_steps_comes_after_the_tokens_of_the_step_before() -> None:
+    """fail_all lands right after a step that committed tokens (held, with `hold_events`, for the next step's
+    wait): the stream still gets its tokens first, then the error."""
+    paused, resume = threading.Event(), threading.Event()
+
+    class PausingEngine(FakeEngine):
+        def step(self) -> list[Any]:
+            outs = super().step()
+            if outs and not resume.is_set():  # the step that committed "some" ends once fail_all is queued
+                paused.set()
+                resume.wait(TEST_TIMEOUT_S)
+            return outs
+
+    engine = PausingEngine(tokenizer=demo_tokenizer())
+    engine.script("running", Script(["some", threading.Event()]))
+
+    async def test() -> None:
+        async with serving(engine) as worker:
+            h = handle("running")
+            worker.submit([h])
+            await asyncio.to_thread(paused.wait, TEST_TIMEOUT_S)
+            worker.fail_all()
+            resume.set()
+            evs = await events(h)
+            assert [ev.text for ev in evs] == ["some", ""] and evs[-1].error is not None
 
     run(test)

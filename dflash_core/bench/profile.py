@@ -204,7 +204,8 @@ def run_profile(*, target: str | None = None, draft: str | None = None, num_prom
             with serving(*args) as servers:
                 for (name, eng), server in zip(pairs, servers):
                     engines[name]["paths"] = compare_paths(eng, models.tokenizer, name, server, chats, params,
-                                                           http_rounds, one_core(threads, serve_extra))
+                                                           http_rounds,
+                                                           one_core(threads, serve_extra, eng.target.cpu_step))
     except ValueError as exc:  # the engine refused the prompt
         raise BenchError(f"the engine refused a request: {exc}") from None
     config = {"target": models.target_name, "draft": str(models.draft_name), "device": models.device,

@@ -101,13 +101,15 @@ class WorkerPath:
     def __init__(self, engine: Any, tokenizer: Any, name: str, one_core: bool) -> None:
         from prometheus_client import CollectorRegistry
 
+        from dflash_core.overlap import pays_to_hold
         from server.metrics import ServerMetrics
         from server.worker import Worker
 
         metrics = ServerMetrics(block_size=engine.block_size, target=name, draft="", device="cpu", backend="bench",
                                 registry=CollectorRegistry())
         self.tokenizer, self.one_core = tokenizer, one_core
-        self.worker = Worker(engine, tokenizer, metrics, max_running=1, max_waiting=1)
+        self.worker = Worker(engine, tokenizer, metrics, max_running=1, max_waiting=1,
+                             hold_events=pays_to_hold("cpu", engine.target.cpu_step))
         self.worker.start()
 
     def run(self, prompts: Sequence[Prompt], params: Any) -> PathRun:
@@ -122,7 +124,7 @@ class WorkerPath:
             return asyncio.run(self._run(prompts, params))
 
     async def _run(self, prompts: Sequence[Prompt], params: Any) -> PathRun:
-        from server.worker import RequestHandle, WorkerEvent
+        from server.handoff import RequestHandle, WorkerEvent
 
         loop = asyncio.get_running_loop()
         tokens, texts = 0, []
@@ -323,12 +325,13 @@ def _check_texts(runs: dict[str, list[PathRun]], prompts: Sequence[Prompt]) -> N
                                      f"in-process text: {a[:80]!r} vs {b[:80]!r}", code=1)
 
 
-def one_core(threads: int, serve_extra: Sequence[str]) -> bool:
-    """Whether the served subprocess pins its two threads to one core (its flags, else its default)."""
+def one_core(threads: int, serve_extra: Sequence[str], cpu_step: str) -> bool:
+    """Whether the served subprocess pins its two threads to one core (its flags, else its default for what runs
+    its forwards, `cpu_step`: the same as in this process)."""
     from server import affinity
 
     flags = [a for a in serve_extra if a in ("--one-core", "--no-one-core")]
-    return flags[-1] == "--one-core" if flags else affinity.default_on("cpu", threads)
+    return flags[-1] == "--one-core" if flags else affinity.default_on("cpu", threads, cpu_step)
 
 
 def serve_args(target: str | None, draft: str | None, threads: int, speculative: bool) -> list[str]:

@@ -23,6 +23,7 @@ import torch
 
 from dflash_core.cpu_step.abi import Batch, LayerTensors, ModelView, Scratch, bound_library, float_ptr, int_ptr
 from dflash_core.cpu_step.build import CpuStepUnavailable
+from dflash_core.overlap import run_held
 from dflash_core.runners.base import TargetOutput
 from dflash_core.runners.dense import DenseLayer, norm_eps
 from dflash_core.runners.paged import PagedTarget, Rows
@@ -179,7 +180,9 @@ class FusedCpuStep:
         return PagedTarget.split_rows(rows, logits, feat, last_only)
 
     def run_kernel(self, batch: Batch) -> None:
-        """The C call itself (`dflash-bench profile` times it apart from the Python around it)."""
+        """The C call itself (`dflash-bench profile` times it apart from the Python around it); what this thread
+        holds runs first (`dflash_core/overlap.py`: the event loop's work then overlaps the call)."""
+        run_held()
         if self._lib.dflash_forward(ctypes.byref(self.view.model), ctypes.byref(batch)) != 0:
             raise ValueError(f"a position beyond the rotary table ({self.target.max_len})")
 

@@ -24,6 +24,7 @@ from dflash_core.cpu_step.fused import cpu_step_mode, fused_or_none, threads_rea
 from dflash_core.draft import DFlashDraft
 from dflash_core.draft_cache import PagedDraftCache
 from dflash_core.kv.pool import blocks_for
+from dflash_core.overlap import run_held
 from dflash_core.runners.base import DraftRequest, TargetRunner
 from dflash_core.weight_layout import is_input_major
 
@@ -136,7 +137,9 @@ class FusedDraftStep:
         return hidden.view(b, w, H), torch.tensor(ids).view(b, w), torch.tensor(block_pos).view(b, w)
 
     def run_kernel(self, batch: DraftBatch) -> None:
-        """The C call itself (`dflash-bench profile` times it apart from the Python around it)."""
+        """The C call itself (`dflash-bench profile` times it apart from the Python around it); what this thread
+        holds runs first (`dflash_core/overlap.py`)."""
+        run_held()
         if self._lib.dflash_draft_forward(ctypes.byref(self.view.model), ctypes.byref(batch)) != 0:
             raise ValueError(f"a draft position beyond the rotary table ({self.view.model.max_pos})")
 

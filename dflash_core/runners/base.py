@@ -86,6 +86,12 @@ class TargetRunner(ABC):
         return False
 
     @property
+    def cpu_step(self) -> str:
+        """What runs the forwards on a CPU: "fused" (one C call that releases the GIL, `dflash_core/cpu_step/`) or
+        "torch" (PyTorch's operators)."""
+        return "torch"
+
+    @property
     def pads_rows(self) -> bool:
         """Whether a batched forward pads its rows to the widest (a step then costs rows x widest tokens), rather
         than running each row's own tokens; the width policy prices verify rows by it."""

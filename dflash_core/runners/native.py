@@ -167,7 +167,6 @@ class NativeTarget(PagedTarget):
 
     @property
     def cpu_step(self) -> str:
-        """What runs the forwards on a CPU: "fused" (one C call, `dflash_core/cpu_step/`) or "torch"."""
         return "fused" if self._fused is not None else "torch"
 
     @property
