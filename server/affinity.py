@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from dflash_core.overlap import pays_to_hold
+
 _original: set[int] | None = None  # the process's cores before pinning (None: nothing pinned)
 _pinned: int | None = None  # the core the worker and the event loop were pinned to
 _released = threading.local()  # a pool thread that is back on the original cores
@@ -39,7 +41,7 @@ def supported() -> bool:
 def default_on(device: str, torch_threads: int, cpu_step: str) -> bool:
     """On by default for a CPU device with one torch thread whose forwards run PyTorch's operators (`cpu_step`
     "torch", the case measured); off where they run as one fused C call ("fused"), and elsewhere opt-in."""
-    return device == "cpu" and torch_threads == 1 and cpu_step == "torch"
+    return device == "cpu" and torch_threads == 1 and not pays_to_hold(device, cpu_step)
 
 
 def current_core() -> int | None:
@@ -88,14 +90,11 @@ def sharing_one_core(thread_ids: list[int]) -> Iterator[int]:
 
 
 def release_current_thread() -> None:
-    """The calling thread back on the process's cores from before any pin, and nothing remembered as pinned: an
-    in-process server that has stopped (tests run many, on the thread that ran their event loops)."""
-    global _pinned
+    """The calling thread back on the process's cores from before any pin (an in-process server that has stopped:
+    tests run many, on the thread that ran their event loops); what other threads pinned stays as it is."""
     if _original is not None:
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, _original)
-    _set_original(None)
-    _pinned = None
 
 
 def _set_original(cores: set[int] | None) -> None:

@@ -214,6 +214,7 @@ class Worker:
                 self._closed = obj
                 self._fail_all(obj)
             elif kind == "call" and obj[1].set_running_or_notify_cancel():  # not given up by its caller
+                run_held()  # a call (a draft swap) may take seconds: the last step's events go first
                 try:
                     obj[1].set_result(obj[0]())
                 except Exception as exc:

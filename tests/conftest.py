@@ -68,13 +68,15 @@ CORE_FILES = ("test_engine.py", "test_native.py", "test_hybrid.py", "test_draft.
 
 @pytest.fixture(autouse=True)
 def _test_thread_on_every_core() -> Iterator[None]:
-    """An in-process server (`--one-core` is its default on a CPU) pins the thread that ran its event loop, often
-    this one: after each test it goes back on every core, or the rest of the session, and every process it starts,
-    would share one core."""
+    """An in-process server (`--one-core` is its default on a CPU running PyTorch's forward) pins the thread that ran
+    its event loop, often this one: after each test it goes back on every core, or the rest of the session, and
+    every process it starts, would share one core. Host work a failed test left held on it is run (and dropped)."""
     yield
+    from dflash_core.overlap import run_held
     from server import affinity
 
     affinity.release_current_thread()
+    run_held()
 
 
 def pytest_configure(config: pytest.Config) -> None:

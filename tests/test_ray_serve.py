@@ -270,10 +270,10 @@ def test_two_replicas_share_16_concurrent_requests_with_single_server_outputs(ra
 
 
 def _long_stream(url: str, outcome: dict[int, tuple[str, str, float]], i: int, started: threading.Event) -> None:
-    """A streamed completion of 1,000 tokens (long enough to be running when a replica is killed, however fast the
-    replicas decode: 200 tokens have finished in 4 s); outcome[i] = (replica, "done" | "cut" | error name, seconds
-    taken)."""
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True, "stream": True,
+    """A streamed completion of 1,900 tokens, near the demo target's 2,048 positions (long enough to be running when
+    a replica is killed right after every stream's first bytes: with the fused CPU step and three streams a replica,
+    1,000 tokens have finished in 2.5 s); outcome[i] = (replica, "done" | "cut" | error name, seconds taken)."""
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1900, "ignore_eos": True, "stream": True,
             "temperature": 0.0}
     replica, t0 = "", time.monotonic()
     try:
@@ -293,11 +293,11 @@ def test_killing_a_replica_mid_load_fails_only_its_requests_and_ray_restarts_it(
     events = [threading.Event() for _ in range(6)]
     threads = [threading.Thread(target=_long_stream, args=(ray_server.url, outcome, i, events[i]), daemon=True)
                for i in range(6)]
+    replicas = ray_server.all_replicas()  # before the streams: the kill follows their first bytes at once
+    victim, survivor = replicas  # ranks 0 and 1
     for t in threads:
         t.start()
     assert all(e.wait(60) for e in events), outcome
-    replicas = ray_server.all_replicas()
-    victim, survivor = replicas  # ranks 0 and 1
     on = {r.replica_id: [i for i, o in outcome.items() if o[0] == r.replica_id] for r in replicas}
     assert on[victim.replica_id] and on[survivor.replica_id], f"the 6 streams were not spread: {outcome}"
     seen_before = len(ray_server.statuses())

@@ -781,8 +781,9 @@ def test_event_loop_and_worker_share_one_core_and_helpers_keep_every_core(server
     if not affinity.supported():
         pytest.skip("thread affinity needs Linux and more than one core")
     fused = servers.spec
-    assert "event loop and worker thread on core" not in fused.log.read_text(), fused.log_tail()
-    assert all(cores == os.sched_getaffinity(0) for cores in _threads_cores(fused.proc.pid).values())
+    if "fused CPU step off" not in fused.log.read_text():  # else PyTorch's forward (DFLASH_CPU_STEP=torch, no cc)
+        assert "event loop and worker thread on core" not in fused.log.read_text(), fused.log_tail()
+        assert all(cores == os.sched_getaffinity(0) for cores in _threads_cores(fused.proc.pid).values())
     server = servers.ar
     logged = [line for line in server.log.read_text().splitlines() if "event loop and worker thread on core" in line]
     assert len(logged) == 1, server.log_tail()

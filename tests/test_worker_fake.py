@@ -355,30 +355,56 @@ def test_a_call_between_steps_runs_on_the_worker_thread_and_a_stopped_worker_can
     run(test)
 
 
+class PausingEngine(FakeEngine):
+    """A scripted engine whose first step that commits tokens ends only once `resume` is set (`paused` tells it
+    is there): what the test queues meanwhile meets that step's events still held."""
+
+    def __init__(self) -> None:
+        super().__init__(tokenizer=demo_tokenizer())
+        self.paused, self.resume = threading.Event(), threading.Event()
+
+    def step(self) -> list[Any]:
+        outs = super().step()
+        if outs and not self.resume.is_set():
+            self.paused.set()
+            self.resume.wait(TEST_TIMEOUT_S)
+        return outs
+
+
 def test_an_event_posted_between_steps_comes_after_the_tokens_of_the_step_before() -> None:
     """fail_all lands right after a step that committed tokens (held, with `hold_events`, for the next step's
     wait): the stream still gets its tokens first, then the error."""
-    paused, resume = threading.Event(), threading.Event()
-
-    class PausingEngine(FakeEngine):
-        def step(self) -> list[Any]:
-            outs = super().step()
-            if outs and not resume.is_set():  # the step that committed "some" ends once fail_all is queued
-                paused.set()
-                resume.wait(TEST_TIMEOUT_S)
-            return outs
-
-    engine = PausingEngine(tokenizer=demo_tokenizer())
+    engine = PausingEngine()
     engine.script("running", Script(["some", threading.Event()]))
 
     async def test() -> None:
         async with serving(engine) as worker:
             h = handle("running")
             worker.submit([h])
-            await asyncio.to_thread(paused.wait, TEST_TIMEOUT_S)
+            await asyncio.to_thread(engine.paused.wait, TEST_TIMEOUT_S)
             worker.fail_all()
-            resume.set()
+            engine.resume.set()
             evs = await events(h)
             assert [ev.text for ev in evs] == ["some", ""] and evs[-1].error is not None
+
+    run(test)
+
+
+def test_a_call_between_steps_runs_after_the_last_steps_events_are_posted() -> None:
+    """A call between steps (a draft swap, which may take seconds) comes right after a step that committed tokens:
+    the stream's tokens are on their way before it runs."""
+    engine = PausingEngine()
+    engine.script("swapped", Script(["some", threading.Event()]))
+
+    async def test() -> None:
+        async with serving(engine) as worker:
+            h = handle("swapped")
+            worker.submit([h])
+            await asyncio.to_thread(engine.paused.wait, TEST_TIMEOUT_S)
+            done = worker.between_steps(lambda: wait_until(lambda: not h.queue.empty(), 5.0, "the posted tokens"))
+            engine.resume.set()
+            await asyncio.wrap_future(done)  # the call saw the tokens delivered (else it raised)
+            assert (await h.queue.get()).text == "some"
+            worker.abort(h)
 
     run(test)

@@ -7,7 +7,8 @@ text (the chat template, the engine's steps, the detokenizer):
   in-process   the engine stepped in this thread, as `LLM.generate` does
   worker       the server's `Worker` thread around the same engine, its events read by an asyncio loop here (the
                two threads on one core when the server runs them so: `--one-core`, its default on a CPU with one
-               torch thread): what handing each step's output from the engine thread to the event loop costs
+               torch thread running PyTorch's forward; a step's events held as the server holds them): what handing
+               each step's output from the engine thread to the event loop costs
   http         a `dflash-serve` subprocess with the same engine settings, streamed (`stream: true`, one SSE event
                per engine step) over 127.0.0.1: the worker plus uvicorn, FastAPI, the request's parsing and SSE
 

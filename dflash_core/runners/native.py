@@ -37,6 +37,7 @@ from dflash_core.cpu_step.fused import FusedCpuStep, fused_cpu_step, lay_out_for
 from dflash_core.families import NATIVE_MODEL_TYPES, rope_reads_the_batch
 from dflash_core.kv.pool import DEFAULT_KV_BLOCK
 from dflash_core.layers import apply_rope
+from dflash_core.overlap import run_held
 from dflash_core.runners.base import TargetOutput
 from dflash_core.runners.dense import DenseLayer, dense_layer
 from dflash_core.runners.paged import PagedTarget, Rows, Slot
@@ -313,6 +314,8 @@ class NativeTarget(PagedTarget):
 
     def _eager(self, rows: Rows, batch: Batch, features: bool, last_only: bool) -> list[TargetOutput]:
         """The eager forward of `rows` with their geometry `batch` (ragged when their lengths differ)."""
+        if self.device.type == "cpu":  # PyTorch computes as it is called: work held for a later wait only comes late
+            run_held()
         b, n = batch.b, batch.n
         if self.ragged and b > 1 and any(len(t) != n for t, _, _ in rows):
             return self._forward_ragged(rows, batch, features, last_only)
