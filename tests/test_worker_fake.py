@@ -371,17 +371,23 @@ class PausingEngine(FakeEngine):
         return outs
 
 
+async def paused_after_some(worker: Worker, engine: PausingEngine) -> RequestHandle:
+    """A request submitted and stepped until its step that committed "some" is paused at its end."""
+    engine.script("paused", Script(["some", threading.Event()]))
+    h = handle("paused")
+    worker.submit([h])
+    await asyncio.to_thread(engine.paused.wait, TEST_TIMEOUT_S)
+    return h
+
+
 def test_an_event_posted_between_steps_comes_after_the_tokens_of_the_step_before() -> None:
     """fail_all lands right after a step that committed tokens (held, with `hold_events`, for the next step's
     wait): the stream still gets its tokens first, then the error."""
     engine = PausingEngine()
-    engine.script("running", Script(["some", threading.Event()]))
 
     async def test() -> None:
         async with serving(engine) as worker:
-            h = handle("running")
-            worker.submit([h])
-            await asyncio.to_thread(engine.paused.wait, TEST_TIMEOUT_S)
+            h = await paused_after_some(worker, engine)
             worker.fail_all()
             engine.resume.set()
             evs = await events(h)
@@ -394,13 +400,10 @@ def test_a_call_between_steps_runs_after_the_last_steps_events_are_posted() -> N
     """A call between steps (a draft swap, which may take seconds) comes right after a step that committed tokens:
     the stream's tokens are on their way before it runs."""
     engine = PausingEngine()
-    engine.script("swapped", Script(["some", threading.Event()]))
 
     async def test() -> None:
         async with serving(engine) as worker:
-            h = handle("swapped")
-            worker.submit([h])
-            await asyncio.to_thread(engine.paused.wait, TEST_TIMEOUT_S)
+            h = await paused_after_some(worker, engine)
             done = worker.between_steps(lambda: wait_until(lambda: not h.queue.empty(), 5.0, "the posted tokens"))
             engine.resume.set()
             await asyncio.wrap_future(done)  # the call saw the tokens delivered (else it raised)
