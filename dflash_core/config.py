@@ -317,7 +317,8 @@ class EngineConfig:
         "when blocks run out)")
     max_model_len: int | None = _setting(
         None, "context length limit, prompt plus output (default: the model's, lowered to what one request can "
-        "hold when the KV pool is smaller)")
+        "hold when the KV pool is smaller; a longer one than the model's is refused unless "
+        "DFLASH_ALLOW_LONG_MAX_MODEL_LEN=1)")
     kv_block_size: int = _setting(
         DEFAULT_KV_BLOCK, "positions per KV-cache block (vLLM's --block-size; here --block-size is the DFlash draft "
         "block): the unit a request's KV grows by and prefix caching reuses; a power of two <= 256")

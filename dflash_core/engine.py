@@ -23,17 +23,13 @@ from dflash_core.kv.manager import KVManager
 from dflash_core.kv.pool import KVStats
 from dflash_core.kv.requests import RequestMemory
 from dflash_core.memory import verify_rows
-from dflash_core.outputs import FINISH_ABORT, FINISH_ERROR, StepOutput
+from dflash_core.outputs import FINISH_ABORT, StepOutput, failed_output
 from dflash_core.pace import DecodePace
 from dflash_core.processors import build_processor
 from dflash_core.rejection import draft_sampling, rejects
 from dflash_core.request_state import EngineRequest, checked_prompt, commit_tokens
 from dflash_core.runners.base import Drafter, DraftRequest, Proposal, TargetOutput, TargetRow, TargetRunner
-from dflash_core.sampling import (
-    SamplingParams,
-    choose_tokens,
-    resolve_seed,
-)
+from dflash_core.sampling import SamplingParams, choose_tokens, resolve_seed
 from dflash_core.scheduler import Chunk, Scheduler
 from dflash_core.speculation import StepCosts, WidthPolicy
 from dflash_core.stats import RequestStats
@@ -42,7 +38,6 @@ from dflash_core.tree import TREE_TOP_K, DraftTree
 from dflash_core.verify import step_choices, tree_budget_for, verify_plans
 
 log = logging.getLogger("dflash.engine")
-
 _KEEP_FINISHED_STATS = 4096
 
 
@@ -203,6 +198,11 @@ class Engine:
         log.info("draft replaced: %d request(s) restarted to rebuild their draft context", restarted)
         return restarted
 
+    @property
+    def max_verify_width(self) -> int:
+        """The most tokens one verify row checks: the draft block, or a tree's nodes and root."""
+        return max(self.block_size, self.memory.tree_width)
+
     def estimated_speedup(self) -> float | None:
         """Committed tokens per second of recent decode steps over what plain steps of the same batch would give,
         from the measured step costs (None until measured; 1.0 without a drafter)."""
@@ -263,8 +263,10 @@ class Engine:
 
     @staticmethod
     def _error(req: EngineRequest, exc: BaseException) -> StepOutput:
-        log.error("request %d failed: %s", req.id, exc, exc_info=exc)
-        return StepOutput(req.id, [], finish_reason=FINISH_ERROR, error=f"{type(exc).__name__}: {exc}")
+        out = failed_output(req.id, exc)  # the request's own fault (its grammar): a warning without a traceback
+        log.log(logging.WARNING if out.error_type else logging.ERROR, "request %d failed: %s", req.id, exc,
+                exc_info=None if out.error_type else exc)
+        return out
 
     def _guarded(self, req: EngineRequest, fn: Any, *args: Any) -> StepOutput:
         try:
@@ -428,9 +430,10 @@ class Engine:
         rows = [TargetRow(tree.tokens, req.position, req.cache) for req, tree in plans]
         mark = self.clock.start()
         trees = [tree for _, tree in plans]
-        outs = self._forward_rows(rows, self.drafter is not None, False, None if all(t.is_chain for t in trees)
-                                  else trees)
-        self.clock.stop(mark, functools.partial(self.policy.costs.target.add, self._forward_tokens(rows)))
+        chains = all(t.is_chain for t in trees)
+        outs = self._forward_rows(rows, self.drafter is not None, False, None if chains else trees)
+        costs = self.policy.costs.target if chains else self.policy.costs.tree  # a tree forward: its own table
+        self.clock.stop(mark, functools.partial(costs.add, self._forward_tokens(rows)))
         whole = self.clock.stop(whole)
         dists = {req.id: prop.dist for req, prop in proposed}
         choices = step_choices(plans, outs, dists, self.spec_sampling)  # the step's one host sync

@@ -17,12 +17,12 @@ import json
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dflash_core.grammar_checks import TokenizerSource, check_schema, rss_bytes, short_error
+from dflash_core import grammar_checks
+from dflash_core.grammar_checks import GrammarFailure, TokenizerSource, check_schema, llguidance_errors, short_error
 
 if TYPE_CHECKING:  # imported where used: the grammar helper process (server.grammar_compile) runs without torch
     import torch
@@ -73,7 +73,7 @@ class TokenMatcher(ABC):
 
     @abstractmethod
     def allowed(self) -> torch.Tensor:
-        """The tokens the grammar allows next: bool [vocab_size] on the CPU."""
+        """The tokens the grammar allows next: bool [vocab_size] on the CPU; GrammarFailure when it fails."""
 
     @abstractmethod
     def accept(self, token: int) -> bool:
@@ -92,8 +92,7 @@ class CompiledGrammar(ABC):
     """One `StructuredOutput` compiled by a backend: shared and never advanced; each request matches a copy."""
 
     def __init__(self, backend: GrammarBackend, structured: StructuredOutput) -> None:
-        self.backend = backend
-        self.kind = structured.kind
+        self.backend, self.kind = backend, structured.kind
         self.spec = structured.spec  # the very spec compiled (identity: a replaced spec is compiled again)
 
     def is_for(self, backend: GrammarBackend, structured: StructuredOutput) -> bool:
@@ -137,20 +136,6 @@ class GrammarBackend(ABC):
         return compiled.matcher(stop_ids)
 
 
-@contextmanager
-def llguidance_errors(what: str, error: type[Exception] = ValueError) -> Iterator[None]:
-    """llguidance's failures as `error`, panics included: a Rust panic reaches Python as pyo3's PanicException, a
-    BaseException that would otherwise end the thread (the engine's worker) instead of the request."""
-    try:
-        yield
-    except (KeyboardInterrupt, SystemExit, GeneratorExit):
-        raise
-    except ValueError:
-        raise
-    except BaseException as exc:  # noqa: BLE001 - see above: PanicException is not an Exception
-        raise error(f"{what}: {type(exc).__name__}: {exc}") from None
-
-
 @dataclass
 class _Template:
     """A cache entry: the compiled LLMatcher at the grammar's start, its first mask, its memory (an estimate)."""
@@ -165,8 +150,7 @@ class _LLGuidanceCompiled(CompiledGrammar):
 
     def __init__(self, backend: LLGuidanceBackend, structured: StructuredOutput, template: _Template) -> None:
         super().__init__(backend, structured)
-        self._llg = backend
-        self.template = template
+        self._llg, self.template = backend, template
         self._spares: list[Any] = []  # copies made in a preparation thread (list.pop is atomic)
 
     def _copy(self) -> Any:
@@ -181,7 +165,8 @@ class _LLGuidanceCompiled(CompiledGrammar):
             m = self._spares.pop()
         except IndexError:
             m = self._copy()
-        return _LLGuidanceMatcher(m, self._llg.ll_tokenizer, stop_ids, self._llg.vocab_size, self.template.first)
+        return _LLGuidanceMatcher(m, self._llg.ll_tokenizer, stop_ids, self._llg.vocab_size, self.template.first,
+                                  lambda: self._llg.forget(self.template))
 
 
 class LLGuidanceBackend(GrammarBackend):
@@ -201,14 +186,11 @@ class LLGuidanceBackend(GrammarBackend):
     def __init__(
         self, tokenizer: Any, vocab_size: int, cache_entries: int = CACHE, cache_bytes: int = CACHE_BYTES
     ) -> None:
-        self.tokenizer = tokenizer
-        self.vocab_size = int(vocab_size)
-        self.cache_entries = cache_entries
-        self.cache_bytes = cache_bytes
+        self.tokenizer, self.vocab_size = tokenizer, int(vocab_size)
+        self.cache_entries, self.cache_bytes = cache_entries, cache_bytes
         self._ll_tokenizer: Any = None
         self._compiled: OrderedDict[tuple[str, str], _Template] = OrderedDict()
-        self._lock = threading.Lock()
-        self._tokenizer_lock = threading.Lock()
+        self._lock, self._tokenizer_lock = threading.Lock(), threading.Lock()
 
     def tokenizer_source(self) -> TokenizerSource:
         """What this backend's llguidance tokenizer is built from (for a grammar helper process)."""
@@ -254,15 +236,22 @@ class LLGuidanceBackend(GrammarBackend):
 
         grammar = _llguidance_grammar(structured)
         ll_tokenizer = self.ll_tokenizer
-        before = rss_bytes()
+        before = grammar_checks.rss_bytes()
         with llguidance_errors(f"{structured.kind} does not compile"):
             template = LLMatcher(ll_tokenizer, grammar, log_level=0)
             if template.is_error():
                 raise ValueError(f"{structured.kind} does not compile: {short_error(template.get_error())}")
             first = _first_mask(template, ll_tokenizer, self.vocab_size, structured.kind)
         # the text, the compiled rules and the lexer states: never less than a few times the grammar's text
-        nbytes = max(rss_bytes() - before, 4 * len(grammar))
+        nbytes = max(grammar_checks.rss_bytes() - before, 4 * len(grammar))
         return _Template(template, first, nbytes)
+
+    def forget(self, template: _Template) -> None:
+        """Drop `template` from the cache: a matcher of it failed mid-output, and a limit hit there breaks the
+        lexer state every copy shares (a fresh compile starts clean)."""
+        with self._lock:
+            for key in [k for k, t in self._compiled.items() if t is template]:
+                del self._compiled[key]
 
     def _keep(self, key: tuple[str, str], template: _Template) -> None:
         """Cache `template`, dropping the least recently used beyond the entry and byte bounds."""
@@ -302,31 +291,26 @@ def _unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def _llguidance_grammar(structured: StructuredOutput) -> str:
     """llguidance's grammar text for `structured` (checked when the matcher is built); ValueError for what cannot
-    even be translated."""
-    with llguidance_errors(f"{structured.kind} does not compile"):  # a panic too
-        return _translate(structured)
-
-
-def _translate(structured: StructuredOutput) -> str:
-    """`_llguidance_grammar` without the panic guard."""
+    even be translated (a panic too)."""
     from llguidance import LLMatcher
     from llguidance.gbnf_to_lark import any_to_lark
 
-    try:
-        if structured.kind == "json_object":  # any object (not any value), as vLLM compiles it
-            return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
-        if structured.kind == "json_schema":
-            spec = structured.spec
-            if spec is False:
-                raise ValueError("the schema false allows no value")
-            check_schema(spec)  # before llguidance reads it: some schemas crash it
-            return LLMatcher.grammar_from_json_schema({} if spec is True else spec, overrides=JSON_OPTIONS)
-        if structured.kind == "regex":
-            return LLMatcher.grammar_from_regex(str(structured.spec))
-        text = str(structured.spec)
-        return LLMatcher.grammar_from_lark(any_to_lark(text) if structured.kind == "ebnf" else text)
-    except Exception as exc:  # a bad schema / GBNF raises while translating, the rest when the matcher is built
-        raise ValueError(f"{structured.kind} does not compile: {exc}") from None
+    with llguidance_errors(f"{structured.kind} does not compile"):
+        try:
+            if structured.kind == "json_object":  # any object (not any value), as vLLM compiles it
+                return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
+            if structured.kind == "json_schema":
+                spec = structured.spec
+                if spec is False:
+                    raise ValueError("the schema false allows no value")
+                check_schema(spec)  # before llguidance reads it: some schemas crash it
+                return LLMatcher.grammar_from_json_schema({} if spec is True else spec, overrides=JSON_OPTIONS)
+            if structured.kind == "regex":
+                return LLMatcher.grammar_from_regex(str(structured.spec))
+            text = str(structured.spec)
+            return LLMatcher.grammar_from_lark(any_to_lark(text) if structured.kind == "ebnf" else text)
+        except Exception as exc:  # a bad schema / GBNF raises while translating, the rest when the matcher is built
+            raise ValueError(f"{structured.kind} does not compile: {short_error(str(exc))}") from None
 
 
 def pack_masks(masks: Sequence[torch.Tensor | None], vocab_size: int) -> torch.Tensor:
@@ -360,16 +344,17 @@ class _LLGuidanceMatcher(TokenMatcher):
     tokenizer's EOS) only tells that the grammar is accepting; a stop id is allowed exactly then, and accepting
     one terminates the matcher here (llguidance never sees it, so a rollback over it is ours). At the grammar's
     start the mask is `first`, computed once when the grammar compiled (the engine's thread computes masks only
-    after a committed token)."""
+    after a committed token). llguidance failing mid-output (no token left, a lexer limit) is a `GrammarFailure`,
+    after `on_error` (the cached template dropped)."""
 
     def __init__(
-        self, m: Any, ll_tokenizer: Any, stop_ids: Sequence[int], vocab_size: int, first: torch.Tensor | None = None
+        self, m: Any, ll_tokenizer: Any, stop_ids: Sequence[int], vocab_size: int, first: torch.Tensor | None = None,
+        on_error: Callable[[], None] | None = None,
     ) -> None:
         import torch
 
-        self.m = m
-        self.vocab_size = vocab_size
-        self.first = first
+        self.m, self.on_error = m, on_error
+        self.vocab_size, self.first = vocab_size, first
         self.depth = 0  # tokens llguidance has consumed (0: at the start, where `first` holds)
         self.stop_ids = frozenset(int(t) for t in stop_ids)
         self.stop = torch.tensor(sorted(t for t in self.stop_ids if 0 <= t < vocab_size), dtype=torch.long)
@@ -389,11 +374,9 @@ class _LLGuidanceMatcher(TokenMatcher):
             allowed = self.first.clone()
         else:
             with llguidance_errors("grammar matcher failed", RuntimeError):
-                self.m.unsafe_compute_mask_ptr(
-                    self.bitmask.data_ptr(), self.bitmask.numel() * self.bitmask.element_size()
-                )
-            if self.m.is_error():  # a resource limit mid-output: fail this request, not the batch
-                raise RuntimeError(f"grammar matcher failed: {short_error(self.m.get_error())}")
+                self.m.unsafe_compute_mask_ptr(self.bitmask.data_ptr(), self.bitmask.numel() * 4)  # int32 words
+            if self.m.is_error():  # no token left, a resource limit: fail this request, not the batch
+                raise self._failure()
             allowed = _unpack(self.bitmask, self.vocab_size)
         allowed[self.ll_eos] = False
         allowed[self.stop] = self.m.is_accepting()
@@ -410,14 +393,24 @@ class _LLGuidanceMatcher(TokenMatcher):
             return False
         with llguidance_errors("grammar matcher failed", RuntimeError):
             ok = self.m.try_consume_tokens([token]) == 1  # unlike consume_token, a rejection leaves no error state
+        if not ok and self.m.is_error():  # not a rejection: a limit hit (the mask allowed the token)
+            raise self._failure()
         self.depth += ok
         return ok
+
+    def _failure(self) -> GrammarFailure:
+        """llguidance's error state as the request's failure (its template dropped: see `forget`)."""
+        if self.on_error is not None:
+            self.on_error()
+        dead_end = f"the grammar allows no token after {self.depth} token(s) of structured output"
+        message = short_error(self.m.get_error(), no_extension=dead_end)
+        return GrammarFailure(message if message == dead_end else f"{dead_end}: llguidance hit a limit: {message}")
 
     def rollback(self, n: int) -> None:
         if n and self.terminated:
             self.terminated, n = False, n - 1
         if n and not self.m.rollback(n):
-            raise RuntimeError(f"grammar matcher cannot roll back {n} tokens: {self.m.get_error()}")
+            raise RuntimeError(f"grammar matcher cannot roll back {n} tokens: {short_error(self.m.get_error())}")
         self.depth -= n
 
     def is_terminated(self) -> bool:
@@ -433,6 +426,7 @@ class GrammarState:
         self.started = not self.marker
         self._recent: list[int] = []  # the output's last len(marker) - 1 tokens while the marker is awaited
         self._walked: tuple[tuple[int, ...], list[torch.Tensor | None]] | None = None
+        self.count = 0  # tokens the grammar has taken
 
     def _first_constrained(self, draft: Sequence[int]) -> int:
         """The first row (row i follows draft[:i]) that the grammar constrains; len(draft) + 1: none."""
@@ -445,13 +439,21 @@ class GrammarState:
         return len(draft) + 1
 
     def walk(self, draft: Sequence[int]) -> int:
-        """How many leading draft tokens the grammar allows (the proposal ends at the first it rejects, and after
-        one that ends the grammar). Remembers each row's mask for `masks`; the state is unchanged."""
+        """How many leading draft tokens the grammar allows (the proposal ends at the first it rejects, after one
+        that ends the grammar, and before one after which it allows nothing: the next step fails if the target
+        chooses it, as plain decoding would). Remembers each row's mask for `masks`; the state is unchanged.
+        `GrammarFailure` when nothing is allowed after the committed output, or the matcher fails (for good)."""
         first = self._first_constrained(draft)
         masks: list[torch.Tensor | None] = [None] * min(first, len(draft) + 1)
         keep, accepted = len(draft), 0
         for i in range(first, len(draft) + 1):
             allowed = self.matcher.allowed()
+            if not allowed.any():  # never sample from nothing
+                if i == 0:
+                    raise GrammarFailure(f"the grammar allows no token after {self.count} token(s) of structured "
+                                         "output")
+                keep = i - 1
+                break
             masks.append(allowed)
             if i == len(draft):
                 break
@@ -486,8 +488,9 @@ class GrammarState:
                 else:
                     self._recent = self._recent[max(0, len(self._recent) - len(self.marker) + 1):]
                 continue
-            if not self.matcher.accept(tok):
+            if not self.matcher.accept(tok):  # (a matcher that fails raises GrammarFailure)
                 raise RuntimeError(f"token {tok} was committed but the grammar rejects it")
+            self.count += 1
             if self.matcher.is_terminated():
                 return j + 1
         return None

@@ -2,19 +2,24 @@
 helper process starts fast).
 
 - `check_schema`: what llguidance cannot take safely or would only fail on mid-output, found by reading the JSON
-  schema: integer bounds outside int64 (llguidance crashes, SIGSEGV, near -2^63 and silently clamps beyond), and
-  schemas that no finite value satisfies (`{"$ref": "#"}`, a `$defs` cycle, a required self-reference).
+  schema: non-finite numbers (NaN, Infinity: not JSON, and llguidance writes NaN as null), integer bounds outside
+  int64 (llguidance crashes, SIGSEGV, near -2^63 and silently clamps beyond), and schemas that no finite value
+  satisfies (`{"$ref": "#"}`, a `$defs` cycle, a required self-reference).
 - `probe`: a compiled grammar's first tokens tried, so that a resource limit llguidance hits at once (an object with
   thousands of optional properties: "max is 2000" items in a row) is an error before any token is generated.
 - `TokenizerSource`: what llguidance's tokenizer is built from, sendable to another process.
+- `GrammarFailure`, `llguidance_errors`, `short_error`: llguidance's failures as short, client-readable errors.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import re
 from collections import defaultdict
 from collections.abc import Iterator
+from contextlib import contextmanager
 from copy import copy
 from dataclasses import dataclass
 from typing import Any
@@ -29,9 +34,30 @@ _SCHEMA_MAP = ("properties", "$defs", "definitions", "patternProperties", "depen
 _NEVER = "never"  # a requirement nothing satisfies (a `false` schema)
 
 
+class GrammarFailure(ValueError):
+    """A request's grammar cannot go on mid-output (it allows no token, or llguidance hit a limit): the client's
+    grammar is at fault, not the server; the request fails alone."""
+
+
+@contextmanager
+def llguidance_errors(what: str, error: type[Exception] = ValueError) -> Iterator[None]:
+    """llguidance's failures as `error` (`short_error`'s message), panics included: a Rust panic reaches Python as
+    pyo3's PanicException, a BaseException that would otherwise end the thread (the engine's worker) instead of
+    the request."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except ValueError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - see above: PanicException is not an Exception
+        raise error(f"{what}: {type(exc).__name__}: {short_error(str(exc))}") from None
+
+
 # ---- the schema read ----
 def check_schema(schema: Any) -> None:
     """ValueError naming what llguidance cannot take in `schema` (a JSON schema)."""
+    _check_finite(schema)
     if not isinstance(schema, dict):
         return
     nodes = list(_subschemas(schema))
@@ -62,6 +88,21 @@ def _subschemas(root: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
         for key in _SCHEMA_MAP:
             if isinstance(node.get(key), dict):
                 stack.extend((f"{path}/{key}/{_escape(name)}", sub) for name, sub in node[key].items())
+
+
+def _check_finite(schema: Any) -> None:
+    """Every number in `schema` (a const, an enum member, a bound, a default...) must be finite: JSON has no NaN
+    or Infinity (Python's json reads them, and 1e999 as Infinity), and llguidance would write NaN as null."""
+    stack: list[tuple[str, Any]] = [("#", schema)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{path}: {json.dumps(value)} is not a JSON number (a schema may hold only finite "
+                             "numbers; Infinity is also what a number too large for a double reads as)")
+        if isinstance(value, dict):
+            stack.extend((f"{path}/{_escape(k)}", v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((f"{path}/{i}", v) for i, v in enumerate(value))
 
 
 def _escape(name: str) -> str:
@@ -178,12 +219,15 @@ def _shape_requirements(node: dict[str, Any], need: Any) -> list[Any]:
 
 
 # ---- the compiled grammar tried ----
-def short_error(message: str) -> str:
-    """llguidance's error without its parser-state dump (which can repeat the whole grammar)."""
-    first = message.split("\n<state>", 1)[0].strip()
+def short_error(message: str, no_extension: str = "the grammar allows no output at its start") -> str:
+    """llguidance's error cut to its meaning: no parser-state dump (which can repeat the whole grammar), no Rust
+    backtrace (frames, build paths), at most 400 characters; `no_extension` for NoExtensionBias (no token left)."""
+    first = re.split(r"\n\s*<[a-z_]+>|\n\s*stack backtrace:", str(message), maxsplit=1)[0].strip()
     if "NoExtensionBias" in first:
-        return "the grammar allows no output at its start"
-    return first[:400]
+        return no_extension
+    if "symbols.len() < u16::MAX" in first:  # a panic: llguidance's grammar symbols are u16 ids
+        return "the grammar is too large: over 65,000 grammar symbols (fewer or smaller tools or schemas)"
+    return first[:400] or "llguidance failed"
 
 
 def probe(matcher: Any, eos_ids: set[int], steps: int = PROBE_TOKENS) -> None:

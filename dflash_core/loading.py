@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,10 +140,31 @@ def check_pair(cfg: DraftConfig, target: TargetRunner) -> None:
         log.warning("draft was trained for %d target layers, target has %d", cfg.num_target_layers, target.num_layers)
 
 
+# rotary scalings whose factor stretches max_position_embeddings (llama3's and longrope's configs give the long one)
+STRETCHING_ROPE = ("linear", "dynamic", "yarn")
+ALLOW_LONG_ENV = "DFLASH_ALLOW_LONG_MAX_MODEL_LEN"
+
+
 def max_positions(model: Any) -> int:
-    """The model's own longest context (its text config's: a multimodal checkpoint has none at the top; 4096 when
-    the config does not say)."""
-    return int(getattr(model.config.get_text_config(), "max_position_embeddings", 4096))
+    """The model's own longest context, as vLLM derives it: its text config's `max_position_embeddings` (a
+    multimodal checkpoint has none at the top; 4096 when the config does not say), times the factor of a rotary
+    scaling that stretches it (linear, dynamic, YaRN)."""
+    text = model.config.get_text_config()
+    longest = int(getattr(text, "max_position_embeddings", 4096))
+    rope = getattr(text, "rope_parameters", None) or {}
+    if rope.get("rope_type", rope.get("type")) in STRETCHING_ROPE and rope.get("factor"):
+        longest = int(longest * float(rope["factor"]))
+    return longest
+
+
+def check_max_model_len(max_model_len: int | None, model_max: int) -> None:
+    """vLLM's rule: a --max-model-len past what the model was trained for is refused (ValueError, one line),
+    unless DFLASH_ALLOW_LONG_MAX_MODEL_LEN=1 says the user knows (its rotary positions past it are untrained)."""
+    if max_model_len is None or max_model_len <= model_max or os.environ.get(ALLOW_LONG_ENV) == "1":
+        return
+    raise ValueError(f"--max-model-len {max_model_len:,} is longer than the model's {model_max:,} positions "
+                     f"(max_position_embeddings, with its rotary scaling): lower it, or set {ALLOW_LONG_ENV}=1 to "
+                     f"serve past what the model was trained for")
 
 
 def load_target(
@@ -391,6 +413,7 @@ def memory_budget(
     slots = config.max_running_requests
     text = model.config.get_text_config()  # a multimodal checkpoint keeps its vocabulary there
     model_max = max_positions(model)
+    check_max_model_len(config.max_model_len, model_max)
     if not choice.paged:
         if config.kv_cache_memory is not None or config.gpu_memory_utilization is not None:
             log.warning("the hf backend has no KV pool: --kv-cache-memory / --gpu-memory-utilization are not applied")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dflash_core.grammar_checks import GrammarFailure
+
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR = "stop", "length", "abort", "error"
 
 
@@ -30,3 +32,12 @@ class StepOutput:
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     verify_width: int = 0  # tokens this request's verify row checked (1: a plain step; 0: no verify)
+    error_type: str | None = None  # with `error`: the OpenAI error type of a failure the request caused (else None)
+
+
+def failed_output(request_id: int, exc: BaseException) -> StepOutput:
+    """The last output of a request whose step raised: a grammar of the client's that cannot go on is the request's
+    own `invalid_request_error` (its message as is); anything else is an engine error."""
+    if isinstance(exc, GrammarFailure):
+        return StepOutput(request_id, [], FINISH_ERROR, error=str(exc), error_type="invalid_request_error")
+    return StepOutput(request_id, [], FINISH_ERROR, error=f"{type(exc).__name__}: {exc}")

@@ -69,23 +69,35 @@ class GrammarMask(LogitsProcessor):
 
 
 class MinTokens(LogitsProcessor):
-    """Stop tokens (EOS and stop_token_ids) get -inf while fewer than `min_tokens` tokens were generated."""
+    """Stop tokens (EOS and stop_token_ids) get -inf while fewer than `min_tokens` tokens were generated, except
+    on a row where the request's grammar allows nothing but a stop token: a complete structured output cannot be
+    extended validly, so the grammar's end wins (that row is the last of its block: a stop ends the proposal)."""
 
-    def __init__(self, min_tokens: int, stop_ids: Iterable[int]) -> None:
+    def __init__(self, min_tokens: int, stop_ids: Iterable[int], grammar: GrammarState | None = None) -> None:
         self.min_tokens = min_tokens
         self.stop_ids = sorted(stop_ids)
+        self.grammar = grammar
+        self._rows = 0  # the rows `inputs` banned, for `apply_inputs`
 
-    def _banned_rows(self, logits: torch.Tensor, output: Sequence[int]) -> int:
-        return max(0, min(self.min_tokens - len(output), logits.shape[0]))  # row i has len(output) + i tokens
+    def _banned_rows(self, logits: torch.Tensor, output: Sequence[int], draft: Sequence[int]) -> int:
+        rows = max(0, min(self.min_tokens - len(output), logits.shape[0]))  # row i has len(output) + i tokens
+        if rows and self.grammar is not None:
+            masks = self.grammar.masks(list(draft[: logits.shape[0] - 1]))  # the grammar mask's own (cached)
+            stops = torch.tensor([t for t in self.stop_ids if t < logits.shape[-1]], dtype=torch.long)
+            for i, allowed in enumerate(masks[:rows]):
+                if allowed is not None and int(allowed.sum()) == int(allowed[stops].sum()):
+                    return i  # only the grammar's end is left
+        return rows
 
     def inputs(self, logits: torch.Tensor, output: Sequence[int], draft: Sequence[int]) -> Arrays:
         ids = [t for t in self.stop_ids if t < logits.shape[-1]]
-        return [ids] if self._banned_rows(logits, output) and ids else []
+        self._rows = self._banned_rows(logits, output, draft) if ids else 0
+        return [ids] if self._rows else []
 
     def apply_inputs(self, logits: torch.Tensor, output: Sequence[int], draft: Sequence[int],
                      sent: Sequence[torch.Tensor]) -> torch.Tensor:
         if sent:
-            logits[: self._banned_rows(logits, output)].index_fill_(1, sent[0], float("-inf"))
+            logits[: self._rows].index_fill_(1, sent[0], float("-inf"))
         return logits
 
 
@@ -206,7 +218,7 @@ def build_processor(
     if grammar is not None:
         processors.append(GrammarMask(grammar))
     if params.min_tokens > 0:
-        processors.append(MinTokens(params.min_tokens, stop_ids))
+        processors.append(MinTokens(params.min_tokens, stop_ids, grammar))
     if params.logit_bias:
         processors.append(LogitBias(params.logit_bias))
     if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:

@@ -364,6 +364,10 @@ def staging_for(device: torch.device) -> HostToDevice:
     return buffers[device]
 
 
+# a top_k at least the vocabulary keeps every token: larger ones travel as this (an int64 column holds it)
+TOP_K_ALL = 2**31 - 1
+
+
 def choose_step(blocks: Sequence[Block | None], staging: HostToDevice | None = None
                 ) -> list[list[int] | BaseException]:
     """Every block's choices (None: an empty row list), computed for the whole step at once.
@@ -393,7 +397,7 @@ def choose_step(blocks: Sequence[Block | None], staging: HostToDevice | None = N
     for _, b in sampled:
         n, p = b.logits.shape[0], b.params
         for column, value in zip(params, (float_bits(p.temperature), float_bits(p.min_p), float_bits(p.top_p),
-                                          p.top_k, _signed(b.seed & _MASK64))):
+                                          min(p.top_k, TOP_K_ALL), _signed(b.seed & _MASK64))):
             column.extend([value] * n)
         positions.extend(range(b.first_position, b.first_position + n) if b.positions is None else b.positions)
     arrays = [a for _, _, mine in live for a in mine]

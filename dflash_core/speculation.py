@@ -137,14 +137,22 @@ class LinearCost:
 
 @dataclass
 class StepCosts:
-    """Measured costs of the two forwards of a step: the target's (prefill, verify, plain) and the draft's."""
+    """Measured costs of the forwards of a step: the target's (prefill, chain verify, plain), the target's that
+    verify trees, and the draft's. A tree forward has its own table: it may run another path than a chain's of
+    as many tokens (on a CPU PyTorch's forward with a tree mask, against the fused step's one C call: 2-3x the
+    time), and one table for both would price each with the other's costs."""
 
     target: LinearCost = field(default_factory=LinearCost)
     draft: LinearCost = field(default_factory=LinearCost)
+    tree: LinearCost = field(default_factory=LinearCost)
 
     def plain_step(self, num_requests: int) -> float:
         """Seconds a plain decoding step of `num_requests` requests would take (one token each)."""
         return self.target(num_requests)
+
+    def verify(self, tokens: int, trees: bool) -> float:
+        """Seconds of a verify forward of `tokens` tokens, with trees among its rows or chains only."""
+        return self.tree(tokens) if trees else self.target(tokens)
 
 
 @dataclass
@@ -318,6 +326,7 @@ class WidthPolicy:
         limit = budget if budget is not None else math.inf
         verified, tokens = sum(chain_tokens), float(n) + sum(chain_gains)
         spent = self.costs.draft(0)
+        trees = False  # a row of the step verifies a tree: its forward is a tree forward (`StepCosts.tree`)
         for r, probs in enumerate(node_probs):
             if not probs:
                 continue
@@ -325,19 +334,20 @@ class WidthPolicy:
             if self.policy == "tree":
                 options = [min(self.tree_budget, len(probs))]
             best, best_gain = 0, 0.0
-            best_rate = -1.0 if self.policy == "tree" else tokens / max(spent + self.costs.target(verified), 1e-9)
+            best_rate = -1.0 if self.policy == "tree" else tokens / max(spent + self.costs.verify(verified, trees),
+                                                                            1e-9)
             for k in options:
                 grown = verified - chain_tokens[r] + 1 + k
                 if grown > limit:
                     continue
                 gain = min(float(k), self.tree_calibration * sum(probs[:k]))
-                rate = (tokens - chain_gains[r] + gain) / max(spent + self.costs.target(grown), 1e-9)
+                rate = (tokens - chain_gains[r] + gain) / max(spent + self.costs.tree(grown), 1e-9)
                 if rate > best_rate:
                     best, best_gain, best_rate = k, gain, rate
             if best:
                 verified += 1 + best - chain_tokens[r]
                 tokens += best_gain - chain_gains[r]
-                sizes[r] = best
+                sizes[r], trees = best, True
         return sizes
 
     def expected_chain(self, confidence: Sequence[float]) -> float:

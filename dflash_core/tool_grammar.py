@@ -64,7 +64,8 @@ def tool_call_structure(
         raise ValueError("tools must hold at least one function")
     rules = []
     for i, fn in enumerate(functions):
-        params = dict(fn.get("parameters") or {"type": "object", "properties": {}})
+        # OpenAI: omitted parameters define a function with an empty parameter list, so its arguments are {}
+        params = dict(fn.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False})
         # each call is its own schema document: the parameters' definitions move to its root, where their
         # "#/$defs/..." references point; every other root-relative reference ("#", "#/properties/...") is
         # rebased onto where the parameters now sit

@@ -62,7 +62,18 @@ def step_choices(
             out.logits, req.params, req.seed, req.position + 1, req.processor, req.output, props,
             rejection=rejects(spec_sampling, req.params), dist=None if dist is None else dist[: len(props)],
             positions=None if tree.is_chain else [req.position + 1 + d for d in tree.depths]))
-    return choose_step(blocks)
+    try:
+        return choose_step(blocks)
+    except Exception:  # something of one request broke the step's batch: each alone, so it fails by itself
+        log.warning("the step's batched choice failed; choosing request by request", exc_info=True)
+        return [_alone(block) for block in blocks]
+
+
+def _alone(block: Block | None) -> list[int] | BaseException:
+    try:
+        return choose_step([block])[0]
+    except Exception as exc:
+        return exc
 
 
 def verify_plans(

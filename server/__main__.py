@@ -8,7 +8,8 @@ failure logs one line (the traceback with ``--log-level debug``) and exits 1.
 Connections: ``--limit-concurrency`` open connections (idle ones count) or requests in progress at most; beyond,
 a request gets an immediate 503 envelope and its connection is closed. ``--header-timeout`` closes a connection
 whose request headers have not arrived that long after it opened (or after its previous response), which uvicorn
-alone never does; ``--keep-alive-timeout`` is uvicorn's idle keep-alive timeout.
+alone never does; ``--keep-alive-timeout`` is uvicorn's idle keep-alive timeout. A request body that pauses longer
+than the header timeout, or takes over 60 s in all, is answered 408 and its connection closed (``server.checks``).
 
 Shutdown (SIGTERM or SIGINT): the server stops admitting (new requests and ``/health`` get 503) and lets the
 requests in progress finish for up to ``--shutdown-timeout`` seconds. Then running streams get an error event and
@@ -398,6 +399,25 @@ def _wants_json(argv: Sequence[str]) -> bool:
     return value is True or str(value).strip().lower() in _TRUE
 
 
+def build_server(app: Any, settings: Settings) -> DflashServer:
+    """uvicorn's server for ``app`` as ``dflash-serve`` runs it: the header timeout, the connection limit, the drain
+    (``app.state.dflash`` is the app's ``ServerState``). Request bodies are bounded by ``server.checks.read_body``."""
+    server: DflashServer | None = None
+    config = uvicorn.Config(
+        ConnectionLimit(app, settings.limit_concurrency, lambda: server.server_state),  # type: ignore[union-attr]
+        host=settings.host,
+        port=settings.port,
+        http=http_protocol(settings.header_timeout),
+        log_config=None,
+        log_level=settings.log_level.lower(),
+        timeout_keep_alive=settings.keep_alive_timeout,  # type: ignore[arg-type]  # a float works
+        timeout_graceful_shutdown=int(FLUSH_S),
+        access_log=settings.log_level.lower() == "debug",
+    )
+    server = DflashServer(config, app.state.dflash, settings.shutdown_timeout)
+    return server
+
+
 # --- main ----------------------------------------------------------------------------------------------------
 
 
@@ -438,18 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGHUP reads the draft folder again and swaps it in (a thread: loading takes time; never the handler's)
     signal.signal(signal.SIGHUP, lambda signum, frame: threading.Thread(
         target=affinity.unpinned(state.reload_draft), name="dflash-sighup", daemon=True).start())
-    config = uvicorn.Config(
-        ConnectionLimit(app, settings.limit_concurrency, lambda: server.server_state),  # type: ignore[union-attr]
-        host=settings.host,
-        port=settings.port,
-        http=http_protocol(settings.header_timeout),
-        log_config=None,
-        log_level=settings.log_level.lower(),
-        timeout_keep_alive=settings.keep_alive_timeout,  # type: ignore[arg-type]  # a float works
-        timeout_graceful_shutdown=int(FLUSH_S),
-        access_log=settings.log_level.lower() == "debug",
-    )
-    server = DflashServer(config, state, settings.shutdown_timeout)
+    server = build_server(app, settings)
     server.run()  # installs DflashServer.handle_exit while it serves, then restores _exit_now
     return 1 if failed else 0
 

@@ -105,7 +105,7 @@ def _install_openapi(app: FastAPI) -> None:
 
 
 def _install_routes(app: FastAPI, state: ServerState) -> None:
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes (uvicorn sends no body)
     async def health() -> JSONResponse:
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)

@@ -3,7 +3,8 @@
 Implemented: ``tools`` / ``tool_choice`` / ``parallel_tool_calls``, ``tool`` messages and assistant ``tool_calls``,
 ``response_format`` (``text``, ``json_object``, ``json_schema``), ``reasoning_effort``, text content parts; vLLM-style
 extensions ``chat_template_kwargs``, ``chat_template``, ``add_generation_prompt``, ``continue_final_message``.
-``check_message_count`` refuses, before validation, more messages or content parts than can fit.
+``check_message_count`` refuses, before validation, more messages or content parts than can fit;
+``check_continuation`` is the rule of ``continue_final_message`` (``/tokenize`` applies it too).
 """
 
 from __future__ import annotations
@@ -128,7 +129,6 @@ ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -152,10 +152,7 @@ class ChatCompletionRequest(SamplingFields):
     def _consistent(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message needs add_generation_prompt to be false")
-        if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise ValueError("continue_final_message needs the last message to be an assistant message")
+        check_continuation(self.messages, self.add_generation_prompt, self.continue_final_message)
         choice = self.tool_choice
         if choice is not None and choice != "none" and not self.tools:
             raise ValueError("tool_choice: needs tools (it names a tool or asks for one)")
@@ -189,6 +186,18 @@ class ChatCompletionRequest(SamplingFields):
     def num_logprobs(self) -> int | None:
         """Top alternatives per token, or None when logprobs are off."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def check_continuation(messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """``continue_final_message`` leaves the last message open: it needs ``add_generation_prompt`` false and an
+    assistant message last (ValueError naming the field otherwise)."""
+    if not continue_final_message:
+        return
+    if add_generation_prompt:
+        raise ValueError("continue_final_message: needs add_generation_prompt to be false")
+    if messages and messages[-1].role != "assistant":
+        raise ValueError(f"continue_final_message: needs the last message to be an assistant message (it is a "
+                         f"{messages[-1].role} message)")
 
 
 def check_message_count(data: Any, max_model_len: int | None) -> None:

@@ -2,11 +2,16 @@
 
 Each raises an ``APIError`` (answered with the OpenAI envelope). The POST routes take ``application/json`` only
 (415 otherwise: a browser form cannot post to them); bodies over ``MAX_BODY_BYTES`` get a 413 after up to
-``DRAIN_BODY_BYTES`` have been read and dropped, so that the client sees the answer rather than a reset.
+``DRAIN_BODY_BYTES`` have been read and dropped, so that the client sees the answer rather than a reset. A body
+must arrive within ``--body-timeout`` of the start of its reading, with no pause between two of its chunks longer
+than ``--header-timeout``: else a 408 and the connection is closed (a slow body would hold a connection, and with
+``--limit-concurrency`` a few of them would lock every client out). A client that leaves mid-body raises
+Starlette's ``ClientDisconnect``, which ``server.errors`` answers as a disconnect.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from typing import TYPE_CHECKING
 
@@ -60,8 +65,9 @@ async def check_content_type(request: Request) -> None:
         return
     try:
         await read_body(request)  # read (and drop) what was sent, so that the client sees the answer
-    except APIError:
-        pass
+    except APIError as e:
+        if e.status != 413:
+            raise  # a body too slow: its 408 closes the connection
     got = f"got {raw!r}" if raw else "none given"
     raise APIError(
         415,
@@ -82,19 +88,31 @@ def check_ready(state: ServerState) -> tuple[LoadedModels, Worker]:
 
 
 async def read_body(request: Request) -> bytes:
-    """The whole body; 413 beyond ``MAX_BODY_BYTES`` (read up to ``DRAIN_BODY_BYTES`` first)."""
+    """The whole body; 413 beyond ``MAX_BODY_BYTES`` (read up to ``DRAIN_BODY_BYTES`` first), 408 (connection
+    closed) when it does not arrive in time (``--body-timeout`` in all, the header timeout between two chunks)."""
     declared = request.headers.get("content-length", "")
     too_large = APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
     if declared.isdigit() and int(declared) > DRAIN_BODY_BYTES:
         raise too_large
+    settings = request.app.state.dflash.settings
+    gap, whole = settings.header_timeout, settings.body_timeout
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + whole
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > DRAIN_BODY_BYTES:
-            raise too_large
-        if size <= MAX_BODY_BYTES:
-            chunks.append(chunk)
+    try:
+        async with asyncio.timeout_at(min(loop.time() + gap, deadline)) as timer:
+            async for chunk in request.stream():
+                timer.reschedule(min(loop.time() + gap, deadline))
+                size += len(chunk)
+                if size > DRAIN_BODY_BYTES:
+                    raise too_large
+                if size <= MAX_BODY_BYTES:
+                    chunks.append(chunk)
+    except TimeoutError:
+        stalled = f"no body bytes for {gap:g} s" if loop.time() < deadline else f"not complete after {whole:g} s"
+        raise APIError(408, f"request body too slow ({stalled}, {size} bytes received); send it at once",
+                       code="request_timeout", headers={"Connection": "close"}) from None
     if size > MAX_BODY_BYTES:
         raise too_large
     return b"".join(chunks)

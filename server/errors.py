@@ -1,7 +1,8 @@
 """Errors as OpenAI envelopes: the app's exception handlers, the 500 middleware, worker failures.
 
 Every error a client sees is ``{"error": {"message", "type", "param", "code"}}``. Internal errors (500) carry a
-generic message with the request id; the details go to the log, once, with that id.
+generic message with the request id; the details go to the log, once, with that id. A client that leaves while
+its body is being read (Starlette's ``ClientDisconnect``) is a disconnect like any other: one info line, no traceback.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from server.api_error import APIError, error_body
@@ -32,8 +34,8 @@ def error_response(e: APIError) -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Answer APIError, HTTP errors (404, 405, ...) and validation errors with the envelope; 500s via
-    ``InternalErrors``."""
+    """Answer APIError, HTTP errors (404, 405, ...) and validation errors with the envelope, a client gone mid-body
+    with one log line; 500s via ``InternalErrors``."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -45,6 +47,12 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(
             error_body(str(e.detail), kind), status_code=e.status_code, headers=getattr(e, "headers", None)
         )
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, e: ClientDisconnect) -> JSONResponse:
+        log.info("request %s: client disconnected during %s %s", request_id(request), request.method,
+                 request.url.path)
+        return error_response(CLIENT_GONE)  # nobody reads it: uvicorn drops what is sent after a disconnect
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:

@@ -189,6 +189,7 @@ class ChatFormatter(ResponseFormatter):
             message["reasoning_content"] = message["reasoning"] = parts.reasoning or None
         if parts.tool_calls:
             message["tool_calls"] = [t.to_dict() for t in parts.tool_calls]
+        if parts.tool_calls or parts.reasoning or self.plan.forced_tools:  # OpenAI's null: calls or thinking only
             message["content"] = parts.content or None
         reason = "tool_calls" if parts.tool_calls and c.finish_reason == "stop" else c.finish_reason
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}

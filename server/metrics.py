@@ -54,6 +54,16 @@ REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
 )
 
 
+def verify_width_buckets(block_size: int, max_width: int) -> list[float]:
+    """The chain widths a block size allows, then doublings up to the widest row (a tree's nodes and root)."""
+    widths = set(width_set(block_size)) | {max_width}
+    w = block_size
+    while w < max_width:
+        widths.add(w)
+        w *= 2
+    return [float(w) for w in sorted(widths)]
+
+
 def build_1_2_5_buckets(max_value: int) -> list[float]:
     """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token-count buckets)."""
     buckets: list[float] = []
@@ -91,6 +101,7 @@ class ServerMetrics:
         backend: str,
         registry: CollectorRegistry | None = None,
         max_model_len: int = 32768,
+        max_verify_width: int | None = None,
         log_interval_s: float = 5.0,
         tokens_per_second_window_s: float = 10.0,
     ) -> None:
@@ -143,7 +154,7 @@ class ServerMetrics:
         self.verify_width = Histogram(
             "dflash_spec_decode_verify_width",
             "Tokens each verify row checked (draft tokens + 1; 1 is a plain step), as the width policy chose.",
-            buckets=[float(w) for w in width_set(block_size)],
+            buckets=verify_width_buckets(block_size, max_verify_width or block_size),
             registry=reg,
         )
         self.ttft = Histogram(

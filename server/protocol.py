@@ -35,7 +35,11 @@ def validation_error_to_api(e: ValidationError) -> APIError:
     """Turn a pydantic error into a 400 naming the first offending field."""
     err = e.errors(include_url=False)[0]
     if err["type"] == "json_invalid":
-        return APIError(400, f"malformed JSON body: {err['msg']}")
+        msg = str(err["msg"])
+        if "surrogate in hex escape" in msg or "end of hex escape" in msg:  # jiter's words for a lone surrogate
+            where = msg.rpartition(" at ")[2]
+            msg = f"a lone surrogate (a \\uD800-\\uDFFF escape without its pair) is not valid JSON text, at {where}"
+        return APIError(400, f"malformed JSON body: {msg}")
     loc = [str(x) for x in err["loc"] if not _is_union_tag(x)]
     param = ".".join(loc) or None
     msg = err["msg"]

@@ -9,6 +9,7 @@ parse helper, take one of ``TOKENIZE_CONCURRENCY`` slots (``TOKENIZE_MAX_WAITING
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from collections.abc import Callable
@@ -49,6 +50,9 @@ async def prepare(limiter: Limiter, size: int, big: bool, fn: Callable[..., Any]
         return await run_in_threadpool(affinity.unpinned(fn), *args)
     async with limiter:
         return await run_in_threadpool(affinity.unpinned(fn), *args)
+
+
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def sampling_params(
@@ -92,8 +96,9 @@ def sampling_params(
     )
     try:
         params.validate()
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
+    except ValueError as e:  # each message starts with the field it is about
+        field = str(e).split(maxsplit=1)[0] if str(e) else ""
+        raise APIError(400, str(e), param=field if field in SAMPLING_FIELDS else None) from None
     return params
 
 

@@ -5,14 +5,16 @@ with string token-id keys, ``min_p``, ``min_tokens``; vLLM-style extensions ``to
 ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``. Fields that cannot change the output
 (``prompt_cache_key``, ``safety_identifier``, ``metadata``, ``stream_options.include_obfuscation`` /
 ``continuous_usage_stats``) are accepted and ignored; ``store: false`` keeps the request out of
-``--record-traffic``.
+``--record-traffic``. A field given as null takes its default, as OpenAI and vLLM read it (``null_means_default``:
+``"stream": null`` is ``false``, ``"n": null`` is 1); a wrong type is still refused.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from server.field_policy import Strict
 
@@ -29,8 +31,20 @@ class StreamOptions(Strict):
     continuous_usage_stats: bool | None = None  # accepted, ignored (usage comes in the final chunk)
 
 
+def null_means_default(data: Any, model: type[BaseModel]) -> Any:
+    """``data`` without the fields given as null whose default is not null: such a null means the default (required
+    fields stay, to be refused)."""
+    if not isinstance(data, dict):
+        return data
+    fields = model.model_fields
+    nulls = [k for k, v in data.items() if v is None and k in fields and not fields[k].is_required()
+             and fields[k].default is not None]
+    return {k: v for k, v in data.items() if k not in nulls} if nulls else data
+
+
 class SamplingFields(Strict):
     model: str
+    max_tokens: int | None = Field(default=None, ge=1)  # each request kind sets its own default
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
@@ -56,6 +70,18 @@ class SamplingFields(Strict):
     metadata: dict[str, str] | None = None
     store: bool | None = None  # false: never recorded by --record-traffic (server/traffic.py)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        return null_means_default(data, cls)
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, v: list[int] | None) -> list[int] | None:
+        if any(t < 0 for t in v or []):
+            raise ValueError("token ids must be non-negative integers")
+        return v
+
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
@@ -77,10 +103,17 @@ class SamplingFields(Strict):
         return v
 
     @model_validator(mode="after")
-    def _stream_options(self) -> SamplingFields:
+    def _fields_agree(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        limit = self.requested_max_tokens()
+        if limit is not None and self.min_tokens > limit:
+            raise ValueError(f"min_tokens: must be at most the request's max_tokens ({self.min_tokens} > {limit})")
         return self
+
+    def requested_max_tokens(self) -> int | None:
+        """The request's own limit on completion tokens (None: the context and the model's defaults decide)."""
+        return self.max_tokens
 
     def stop_list(self) -> list[str]:
         """Stop strings as a list."""

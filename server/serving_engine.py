@@ -44,6 +44,10 @@ class ServingEngine(Protocol):
         """Draft block size (1: plain decoding), reported by /v1/models and the metrics."""
 
     @property
+    def max_verify_width(self) -> int:
+        """The most tokens one verify row checks (the block, or a tree's nodes and root): the metrics' buckets."""
+
+    @property
     def draft_version(self) -> int:
         """The draft proposing: 1 at start, one more per swap (/v1/models and the admin API show it)."""
 

@@ -47,7 +47,8 @@ class Settings(EngineConfig):
     port: int = _setting(8000, "bind port")
     max_waiting_requests: int = _setting(64, "requests queued beyond the running ones before answering 429")
     served_model_name: str | None = _setting(None, "model name in the API (default: the target's folder name)")
-    api_key: str | None = _setting(None, "require 'Authorization: Bearer KEY' on /v1 (default: none, no key needed)")
+    api_key: str | None = _setting(None, "require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize; "
+                                   "/health, /metrics and /docs stay open (default: none, no key needed)")
     log_level: str = _setting("info", "debug, info, warning, error")
     log_json: bool = _setting(False, "log one JSON object per line (progress bars off, warnings as records)")
     limit_concurrency: int = _setting(
@@ -64,8 +65,11 @@ class Settings(EngineConfig):
     header_timeout: float = _setting(
         10.0,
         "seconds a client has to send a request's headers once connected (or after the previous "
-        "response); slower connections are closed (slow-loris protection)",
+        "response), and the longest pause between two chunks of its body; slower connections are closed "
+        "(slow-loris protection)",
     )
+    body_timeout: float = _setting(
+        60.0, "seconds a client has to send a request's whole body; beyond, a 408 and a closed connection")
     shutdown_timeout: float = _setting(
         30.0,
         "on SIGTERM / SIGINT: seconds running requests may take to finish before streams get an error "
@@ -172,6 +176,7 @@ class Settings(EngineConfig):
         for name, value in (
             ("keep_alive_timeout", self.keep_alive_timeout),
             ("header_timeout", self.header_timeout),
+            ("body_timeout", self.body_timeout),
             ("sse_ping_interval", self.sse_ping_interval),
             ("grammar_compile_timeout", self.grammar_compile_timeout),
         ):

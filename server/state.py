@@ -79,6 +79,7 @@ class ServerState:
             device=models.device,
             backend=models.backend,
             max_model_len=models.engine.max_model_len,
+            max_verify_width=models.engine.max_verify_width,
         )
         self.chat_setup = ChatSetup(
             models.tokenizer, s.reasoning_parser, s.tool_call_parser, s.enable_auto_tool_choice, models.engine.grammar,

@@ -7,8 +7,9 @@ from typing import Any
 
 from pydantic import ValidationInfo, model_validator
 
-from server.chat_request import ChatMessage, Tool, check_message_count
+from server.chat_request import ChatMessage, Tool, check_continuation, check_message_count
 from server.field_policy import Strict
+from server.sampling_fields import null_means_default
 
 
 class TokenizeRequest(Strict):
@@ -29,7 +30,7 @@ class TokenizeRequest(Strict):
     @classmethod
     def _count(cls, data: Any, info: ValidationInfo) -> Any:
         check_message_count(data, (info.context or {}).get("max_model_len"))
-        return data
+        return null_means_default(data, cls)
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -37,8 +38,7 @@ class TokenizeRequest(Strict):
             raise ValueError("give exactly one of 'prompt' and 'messages'")
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message needs add_generation_prompt to be false")
+        check_continuation(self.messages or [], self.add_generation_prompt, self.continue_final_message)
         return self
 
 

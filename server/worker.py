@@ -30,6 +30,7 @@ from server.serving_engine import ServingEngine
 from server.traffic import TrafficSink, finished
 
 if TYPE_CHECKING:
+    from dflash_core.kv.pool import KVStats
     from dflash_core.outputs import StepOutput
     from server.metrics import ServerMetrics
 
@@ -88,6 +89,7 @@ class Worker:
         self._by_uid: dict[int, _Request] = {}
         self._closed: WorkerError | None = None  # set by fail_all: later requests fail at once with it
         self._outbox: list[Delivery] | None = None  # a step's events, posted together
+        self._kv_seen: KVStats | None = None  # the KV snapshot the metrics last had
         self._thread = threading.Thread(target=self._run, name="dflash-worker", daemon=True)
         self._warm_up, self._on_warm_up_error, self._on_ready = warm_up, on_warm_up_error, on_ready
         self._warm = threading.Event()  # set once warmed up: requests are served from then on
@@ -225,16 +227,19 @@ class Worker:
             self._step()
             self._publish_queue_state()
             self._metrics.set_estimated_speedup(self._engine.estimated_speedup())
-            if (kv := self._engine.kv_stats()) is not None:  # a KV pool snapshot: cheap
+            kv = self._engine.kv_stats()  # a KV pool snapshot: cheap; most steps leave it as it was
+            if kv is not None and kv != self._kv_seen:
                 self._metrics.observe_kv(kv)
+                self._kv_seen = kv
         self._metrics.maybe_log_summary(time.monotonic())
         return False
 
     def _publish_queue_state(self) -> None:
         held_back = self._engine.num_waiting()  # in the engine, but waiting for KV memory
-        self.num_running = len(self._active) - held_back
-        self.num_waiting = len(self._waiting) + held_back
-        self._metrics.set_queue_state(self.num_running, self.num_waiting)
+        running, waiting = len(self._active) - held_back, len(self._waiting) + held_back
+        if running != self.num_running or waiting != self.num_waiting:  # twice a step: the gauges' locks only on change
+            self.num_running, self.num_waiting = running, waiting
+            self._metrics.set_queue_state(running, waiting)
 
     def _add(self, h: RequestHandle) -> None:
         text = OutputText(self._tokenizer, h.prompt_token_ids, h.params.stop, h.skip_special_tokens, h.include_stop_str)
@@ -331,7 +336,10 @@ class Worker:
             return
         if out.finish_reason == "error":
             self._metrics.observe_step(out, now)
-            self._fail(r, WorkerError(500, "server_error", f"engine error: {out.error or 'unknown'}"))
+            if out.error_type is not None:  # the request's own fault (its grammar cannot go on): a 400
+                self._fail(r, WorkerError(400, out.error_type, out.error or "the request failed"))
+            else:
+                self._fail(r, WorkerError(500, "server_error", f"engine error: {out.error or 'unknown'}"))
             self._release(out.request_id)
             return
         if out.finish_reason == "abort":

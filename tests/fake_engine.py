@@ -94,6 +94,12 @@ class FakeEngine:
     eos_token_ids: list[int] = field(default_factory=list)
     drafter: None = None  # the engine's attribute; a fake has no draft model
     draft_version: int = 1  # the engine's attribute: the draft proposing (/v1/models shows it)
+
+    @property
+    def max_verify_width(self) -> int:
+        """A chain's: the block (the fake verifies no trees)."""
+        return self.block_size
+
     grammar: GrammarBackend | None = None  # the app compiles constraints with it; the fake only keeps them
     added: list[int] = field(default_factory=list)  # request ids, in admission order
     prompts: dict[int, str] = field(default_factory=dict)  # request id -> decoded prompt

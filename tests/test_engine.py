@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from dflash_core import sampling
 from dflash_core.config import EngineConfig
 from dflash_core.engine import Engine
 from dflash_core.loading import load_models
@@ -284,6 +285,37 @@ def test_engine_error_fails_one_request_only(pair):
     assert outs[bad][-1].finish_reason == "error" and "draft exploded" in outs[bad][-1].error
     assert tokens(outs[good]) == refs[(5, 6)] and outs[good][-1].finish_reason == "length"
 
+
+
+def _huge_top_k_beside_greedy(pair) -> tuple[list[StepOutput], list[StepOutput], list[int], list[int]]:
+    """A sampled request with top_k 2**63 in one step with a greedy one: (its outputs, the greedy one's, the sampled
+    request alone with top_k disabled, the greedy one alone)."""
+    engine = pair[2].engine
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    alone = []
+    for prompt, params in (([20, 21, 22], sampled), ([5, 6], greedy)):
+        rid = engine.add_request(prompt, params)
+        alone.append(tokens(run_all(engine)[rid]))
+    big = engine.add_request([20, 21, 22], SamplingParams(**{**sampled.__dict__, "top_k": 2**63}))
+    plain = engine.add_request([5, 6], greedy)
+    outs = run_all(engine)
+    return outs[big], outs[plain], *alone
+
+
+def test_a_top_k_past_the_vocabulary_keeps_every_token(pair):
+    """vLLM's top_k has no upper bound: k at least the vocabulary is no restriction, whatever its size (2**63 does
+    not fit the step's int64 column: it broke the whole step's batch, every request in it answered 500)."""
+    big, plain, big_alone, plain_alone = _huge_top_k_beside_greedy(pair)
+    assert tokens(big) == big_alone and tokens(plain) == plain_alone
+
+
+def test_a_request_that_breaks_the_batched_choice_fails_alone(pair, monkeypatch):
+    """Whatever of one request makes the step's batched choice raise, the others' choices are made without it."""
+    monkeypatch.setattr(sampling, "TOP_K_ALL", 2**70)  # the clamp undone: packing the request's top_k raises
+    big, plain, _, plain_alone = _huge_top_k_beside_greedy(pair)
+    assert big[-1].finish_reason == "error" and "Overflow" in big[-1].error
+    assert tokens(plain) == plain_alone and plain[-1].finish_reason == "length"
 
 
 class FaultyTarget:

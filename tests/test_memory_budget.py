@@ -12,7 +12,7 @@ import torch
 
 from dflash_core.bench.memory import memory_estimate
 from dflash_core.config import EngineConfig
-from dflash_core.loading import MAX_STATIC_BATCH, load_models, memory_budget, static_shapes
+from dflash_core.loading import MAX_STATIC_BATCH, load_models, max_positions, memory_budget, static_shapes
 from dflash_core.memory import (
     GIB,
     RAM_KV_DEFAULT_CAP,
@@ -235,6 +235,27 @@ def test_load_models_refuses_a_length_that_cannot_fit():
         load_models(EngineConfig(max_running_requests=4, max_model_len=2048, kv_cache_memory="1MB"))
     with pytest.raises(ValueError, match="on cpu use --kv-cache-memory"):
         load_models(EngineConfig(device="cpu", gpu_memory_utilization=0.5))
+
+
+def test_a_length_past_the_models_positions_is_refused(monkeypatch: pytest.MonkeyPatch):
+    """vLLM's rule: --max-model-len past the model's positions (the demo target's 2,048) is refused in one line,
+    unless DFLASH_ALLOW_LONG_MAX_MODEL_LEN=1; a stretching rotary scaling (YaRN x4) counts."""
+    with pytest.raises(ValueError, match=r"--max-model-len 4,096 is longer than the model's 2,048 positions .*"
+                                         r"DFLASH_ALLOW_LONG_MAX_MODEL_LEN=1"):
+        load_models(EngineConfig(device="cpu", max_model_len=4096, kv_cache_memory="64MiB"))
+    monkeypatch.setenv("DFLASH_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    assert load_models(EngineConfig(device="cpu", max_model_len=4096, kv_cache_memory="64MiB")).engine.max_model_len \
+        == 4096
+    from transformers import Qwen3Config
+
+    class Model:
+        config = Qwen3Config(max_position_embeddings=32768,
+                             rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                           "original_max_position_embeddings": 32768})
+
+    assert max_positions(Model()) == 131072
+    Model.config = Qwen3Config(max_position_embeddings=32768)
+    assert max_positions(Model()) == 32768
 
 
 def test_serve_logs_the_budget_and_refuses_in_one_line(tmp_path: Path):

@@ -453,3 +453,18 @@ def test_a_swapped_draft_counts_under_its_own_version() -> None:
     infos = [dict(labels) for name, labels in p if name == "dflash_model_info"]
     assert infos == [{"target": "tiny-target", "draft": "tuned", "draft_version": "2", "block_size": str(B),
                       "device": "cpu", "backend": "hf"}]
+
+
+def test_verify_width_buckets_reach_a_trees_widest_row() -> None:
+    """Tree speculation verifies up to --tree-budget + 1 tokens a row: the histogram's buckets reach that far, so
+    no tree lands in +Inf only (the demo pair with trees: block 16, budget 32, rows of up to 33)."""
+    from dflash_core.config import EngineConfig
+    from dflash_core.loading import load_models
+
+    engine = load_models(EngineConfig(device="cpu", speculation="tree", kv_cache_memory="16MiB")).engine
+    assert engine.max_verify_width == 33
+    m = ServerMetrics(block_size=engine.block_size, target="t", draft="d", device="cpu", backend="native",
+                      registry=CollectorRegistry(), max_verify_width=engine.max_verify_width)
+    widths = sorted(float(dict(labels)["le"]) for name, labels in samples(m)
+                    if name == "dflash_spec_decode_verify_width_bucket")
+    assert widths == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 33.0, math.inf]

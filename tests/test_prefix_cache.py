@@ -143,3 +143,23 @@ def test_warm_up_requests_are_not_counted() -> None:
     engine.warm_up()
     stats = engine.kv_stats()
     assert (stats.prefix_queries, stats.prefix_hits, stats.preemptions) == (0, 0, 0)
+
+
+def test_an_engine_without_a_draft_shares_no_prefix_with_one() -> None:
+    """The benchmarks' plain twin shares the DFlash engine's pool (`plain_twin`): blocks it caches hold no draft
+    rows, so the DFlash engine must not take them as a prefix (its draft would read unwritten context and accept
+    less), nor the twin the DFlash engine's. A prompt run on the twin first then drafts exactly as it does alone."""
+    from dflash_core.bench.offline import plain_twin
+
+    prompt = _prompt([{"role": "system", "content": SYSTEM[:1500]}, {"role": "user", "content": QUESTIONS[0]}])
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    alone = run_to_completion(_engine(400, 2), [prompt], params)[0]
+    dflash = _engine(400, 2)
+    twin = plain_twin(dflash)
+    first = run_to_completion(twin, [prompt], params)[0]
+    after = run_to_completion(dflash, [prompt], params)[0]
+    again = run_to_completion(twin, [prompt], params)[0]
+    assert first.token_ids == after.token_ids == alone.token_ids == again.token_ids
+    assert after.stats.cached_tokens == 0 and again.stats.cached_tokens > 0  # each engine hits only its own blocks
+    assert after.stats.acceptance_lengths == alone.stats.acceptance_lengths
+    assert run_to_completion(dflash, [prompt], params)[0].stats.cached_tokens > 0

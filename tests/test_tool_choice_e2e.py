@@ -131,10 +131,19 @@ def test_a_call_cut_by_max_tokens_is_length_without_markup(servers: dict[str, Se
     assert not any(m in content or m in stream["content"] for m in MARKUP), (content, stream["content"])
     assert same_calls(stream["calls"], calls_of(choice))
     assert [c["name"] for c in calls_of(choice)] == ["get_weather"]  # the demo's call, cut
+    assert choice.message.content is None  # a forced choice answers with calls only, whatever was cut
     if max_tokens == 40:  # the arguments are complete
         assert_valid(calls_of(choice))
     else:  # the arguments written so far, as OpenAI returns a cut call
         assert calls_of(choice)[0]["arguments"].startswith('{"city": ')
+
+
+def test_a_forced_choice_cut_before_its_first_name_has_null_content(servers: dict[str, ServerProcess]) -> None:
+    """Three tokens end before the call's name: no call, and content is OpenAI's null, not "" (calls only)."""
+    body = {"messages": MESSAGES, "tools": [WEATHER, CLOCK], "tool_choice": "required", "temperature": 0,
+            "max_tokens": 3}
+    choice = whole(servers["plain"], **body)
+    assert choice.finish_reason == "length" and not calls_of(choice) and choice.message.content is None
 
 
 def test_thinking_that_never_ends_still_calls(servers: dict[str, ServerProcess]) -> None:
@@ -232,3 +241,11 @@ def test_special_token_text_anywhere_in_tools_stays_text(servers: dict[str, Serv
     assert [t for t in tokens if t in specials] == [start, end, start, end, start]
     text = httpx.post(f"{url}/detokenize", json={"tokens": tokens}).json()["prompt"]
     assert text.count("You are evil") >= 8  # the client's text is all there, as text
+
+
+def test_a_tool_without_parameters_is_called_with_no_arguments(servers: dict[str, ServerProcess]) -> None:
+    """OpenAI: omitted `parameters` define an empty parameter list: the call's arguments are {}, not any object."""
+    body = {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "noargs"}}],
+            "tool_choice": {"type": "function", "function": {"name": "noargs"}}, "temperature": 0, "max_tokens": 64}
+    choice = whole(servers["plain"], **body)
+    assert [(c["name"], c["arguments"]) for c in calls_of(choice)] == [("noargs", "{}")], choice

@@ -186,6 +186,18 @@ def test_tree_output_equals_plain_decoding(plain_engine, speculation: str) -> No
     assert max(trees) >= 2  # and accepted nodes (compacted rows) fed the following steps
 
 
+def test_tree_forwards_are_timed_apart_from_chain_forwards() -> None:
+    """The policy prices trees by tree forwards (`StepCosts.tree`): tree verifies are timed into that table, and
+    chain verifies, plain steps and prefills into the target's, never the other way round."""
+    for mode in ("tree", "fixed"):
+        models = load_models(EngineConfig(speculation=mode, tree_budget=16, max_running_requests=1))
+        run_to_completion(models.engine, demo_prompts(models, 1), [SamplingParams(max_tokens=32)])
+        costs = models.engine.policy.costs
+        assert bool(costs.tree.samples) == (mode == "tree") and costs.target.samples  # (the prefill: a target's)
+        if mode == "tree":  # every decode step was a tree: the target's table holds only the prefill's forward
+            assert all(tokens > 16 + 1 for tokens, _ in costs.target.samples)
+
+
 def test_requests_that_cannot_take_a_tree_keep_their_chain(plain_engine) -> None:  # noqa: ANN001
     """A request with a repetition penalty (its rows are processed per path) and one under rejection sampling run
     beside tree requests: they verify chains, and every output is still plain decoding's (the rejection one: within
@@ -271,10 +283,11 @@ def test_hybrid_targets_verify_chains_only() -> None:
 def test_the_adaptive_policy_weighs_the_tree_against_the_chain() -> None:
     """With nearly free extra tokens a confident tree beats its chain; with tokens that cost as much as the whole
     step the chain stays; `--speculation tree` takes the budget whatever the costs; the step's budget bounds it."""
-    def policy(mode: str, per_token: float) -> WidthPolicy:
+    def policy(mode: str, per_token: float, tree_fixed: float = 1e-2) -> WidthPolicy:
         p = WidthPolicy(16, mode, padded=False, tree_budget=32)
         for tokens in (1, 2, 4, 8, 16, 32, 64):
             p.costs.target.add(tokens, 1e-2 + tokens * per_token)
+            p.costs.tree.add(tokens, tree_fixed + tokens * per_token)
             p.costs.draft.add(tokens, 1e-3)
         return p
 
@@ -287,6 +300,10 @@ def test_the_adaptive_policy_weighs_the_tree_against_the_chain() -> None:
     assert policy("adaptive", 1e-6).tree_sizes([chain_gain], [chain_tokens], [probs], budget=20) == [16]
     assert policy("adaptive", 1e-6).tree_sizes([chain_gain], [chain_tokens], [None]) == [0]
     assert policy("fixed", 1e-6).tree_sizes([chain_gain], [chain_tokens], [probs]) == [0]
+    # a tree forward priced by its own measurements (on a CPU PyTorch's forward with a tree mask, against the
+    # fused step's C call for a chain): five times a chain's of as many tokens makes the chain the better step,
+    # where the chain's costs alone chose the 32-node tree
+    assert policy("adaptive", 1e-6, tree_fixed=5e-2).tree_sizes([chain_gain], [chain_tokens], [probs]) == [0]
 
 
 def test_the_draft_context_after_a_tree_step_is_the_accepted_path() -> None:

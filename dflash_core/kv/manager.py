@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dflash_core.kv.pool import BlockPool, blocks_for
+from dflash_core.kv.pool import ROOT_DIGEST, BlockPool, blocks_for
 from dflash_core.slots import SlotPool
 
 if TYPE_CHECKING:
@@ -120,11 +120,13 @@ class KVManager:
                 target.checkpointing = True  # it keeps each request's state at its last block boundary
         return cls(slots, pool, reserve=drafter.block_size if drafter is not None else 1, checkpoints=checkpoints)
 
-    def admit(self, tokens: list[int], count: bool = True, memo: list[bytes] | None = None) -> RequestKV | None:
+    def admit(self, tokens: list[int], count: bool = True, memo: list[bytes] | None = None,
+              root: bytes = ROOT_DIGEST) -> RequestKV | None:
         """A slot, the cached prefix of `tokens` and blocks for the rest plus the reserve; None (nothing taken) when
         no slot is free or the blocks cannot be had now. `count`: the lookup counts in the prefix-cache queries and
         hits (not a preempted request's recompute, which would read as hits while the pool thrashes). `memo`: the
-        request's block digests, kept between tries (`BlockPool.match_prefix`)."""
+        request's block digests, kept between tries (`BlockPool.match_prefix`); `root`: the engine's chains'
+        start (`prefix_root`)."""
         if not self.slots.has_free():
             return None
         if self.pool is None:
@@ -133,7 +135,7 @@ class KVManager:
         most = (len(tokens) - 1) // bs  # cached blocks a hit may give
         if blocks_for(len(tokens) + self.reserve, bs) - most > self.pool.num_free():
             return None  # not even a whole hit would fit now
-        hit = self.pool.match_prefix(tokens, max_blocks=most, count=False, take=False, memo=memo)
+        hit = self.pool.match_prefix(tokens, max_blocks=most, count=False, take=False, memo=memo, root=root)
         state = None
         if self.checkpoints is not None and hit:  # a hybrid resumes only where its state was checkpointed
             keep = len(hit)
@@ -162,14 +164,14 @@ class KVManager:
         kv.blocks.extend(self.pool.allocate(need))
         return True
 
-    def register(self, kv: RequestKV, tokens: Sequence[int], length: int) -> None:
+    def register(self, kv: RequestKV, tokens: Sequence[int], length: int, root: bytes = ROOT_DIGEST) -> None:
         """Enter the full blocks among the first `length` positions (holding `tokens[:length]`, with both models'
-        rows written) in the prefix index; blocks entered before are skipped."""
+        rows written) in the prefix index, chained from `root` (`prefix_root`); blocks entered before are skipped."""
         if kv.blocks is None or self.pool is None:
             return
         full = min(length, len(tokens)) // self.pool.block_size
         if full > kv.registered:
-            self.pool.register(kv.blocks, tokens, full)
+            self.pool.register(kv.blocks, tokens, full, root)
             kv.registered = full
 
     def save_checkpoint(self, kv: RequestKV, full: int, checkpoint: Any, nbytes: int) -> bool:

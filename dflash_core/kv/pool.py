@@ -44,6 +44,16 @@ def block_digest(parent: bytes, tokens: bytes) -> bytes:
     return hashlib.blake2b(parent + tokens, digest_size=16).digest()
 
 
+# Where the chains of an engine without a draft start: its blocks hold no draft rows, so an engine with a draft
+# sharing the pool (the benchmarks' plain twin beside the DFlash engine) never matches them, nor they its blocks.
+TARGET_ONLY_ROOT = block_digest(ROOT_DIGEST, b"target rows only")
+
+
+def prefix_root(with_draft: bool) -> bytes:
+    """The parent digest of a sequence's first block for an engine whose blocks hold the draft's rows or not."""
+    return ROOT_DIGEST if with_draft else TARGET_ONLY_ROOT
+
+
 def blocks_for(positions: int, block_size: int) -> int:
     """Blocks needed to hold `positions` positions (ceil)."""
     if block_size < 1:
@@ -166,12 +176,13 @@ class BlockPool:
 
     def match_prefix(
         self, token_ids: Sequence[int], max_blocks: int | None = None, *, count: bool = True, take: bool = True,
-        memo: list[bytes] | None = None,
+        memo: list[bytes] | None = None, root: bytes = ROOT_DIGEST,
     ) -> list[int]:
         """The longest run of cached full blocks from the start of `token_ids` (at most `max_blocks`), each taken
         (+1 ref; `take=False`: only looked up, see `take`). Counts `len(token_ids)` queried tokens and the matched
         blocks' tokens as hits (`count=False`: neither; see `record_query`). `memo`: the caller's list of this
-        sequence's block digests, reused and extended (a request retried every step is hashed once)."""
+        sequence's block digests, reused and extended (a request retried every step is hashed once). `root`: where
+        the chain starts (`prefix_root`), as it was registered."""
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
@@ -181,7 +192,7 @@ class BlockPool:
         raw = token_bytes(token_ids[: n * bs])  # one conversion; each block is then a cheap bytes slice
         step = bs * 8
         out: list[int] = []
-        parent, parent_serial = ROOT_DIGEST, 0
+        parent, parent_serial = root, 0
         for i in range(n):
             tokens = raw[i * step : (i + 1) * step]
             if memo is not None and i < len(memo):
@@ -222,9 +233,11 @@ class BlockPool:
             self.prefix_queries += queried
             self.prefix_hits += hits
 
-    def register(self, blocks: Sequence[int], token_ids: Sequence[int], num_full: int) -> None:
+    def register(self, blocks: Sequence[int], token_ids: Sequence[int], num_full: int,
+                 root: bytes = ROOT_DIGEST) -> None:
         """Cache `blocks[:num_full]`, full and holding `token_ids[:num_full * block_size]`; idempotent (blocks
-        already processed are skipped). A digest already cached by another block keeps that block."""
+        already processed are skipped). A digest already cached by another block keeps that block. `root`: where
+        the chain starts (`prefix_root`)."""
         if not self.enable_prefix_caching or num_full <= 0:
             return
         bs = self.block_size
@@ -237,7 +250,7 @@ class BlockPool:
         if start == num_full:
             return
         if start == 0:
-            parent, parent_serial = ROOT_DIGEST, 0
+            parent, parent_serial = root, 0
         else:
             prev = link[blocks[start - 1]]
             if prev is _DEAD:  # nothing after a dead link can be cached: mark them, so no later call walks back

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import overload
 
 from dflash_core.kv.manager import KVManager
+from dflash_core.kv.pool import prefix_root
 from dflash_core.request_state import EngineRequest
 from dflash_core.runners.base import Drafter, TargetRunner
 
@@ -48,13 +49,15 @@ class RequestMemory:
     def __init__(self, kv: KVManager, target: TargetRunner, drafter: Drafter | None, width: int,
                  tree_width: int = 0) -> None:
         self.kv, self.target, self.drafter, self.width, self.tree_width = kv, target, drafter, width, tree_width
+        self.root = prefix_root(drafter is not None)  # an engine without a draft caches blocks without its rows
         self.preemptions = 0
 
     def admit(self, req: EngineRequest) -> bool:
         """A slot and blocks for the request, its cached prefix counted as prefilled; False: it waits."""
         # a preempted request's recompute hits its own blocks: not counted (the hit rate would read high exactly
         # while the pool thrashes)
-        kv = self.kv.admit(req.prefill_tokens, count=not req.stats.preemptions, memo=req.block_digests)
+        kv = self.kv.admit(req.prefill_tokens, count=not req.stats.preemptions, memo=req.block_digests,
+                           root=self.root)
         if kv is None:
             return False
         req.kv, req.prefilled = kv, kv.cached
@@ -81,7 +84,7 @@ class RequestMemory:
         if self.drafter is not None and req.draft_state is not None:
             length = min(length, self.drafter.context_written(req.draft_state))
         if length // self.kv.block_size > kv.registered:
-            self.kv.register(kv, _Joined(req.prompt, req.output), length)
+            self.kv.register(kv, _Joined(req.prompt, req.output), length, self.root)
         if self.kv.checkpoints is None:
             return
         if kv.deferred is not None and kv.registered >= kv.deferred[0]:  # its block is in the index now
