@@ -140,20 +140,28 @@ def check_pair(cfg: DraftConfig, target: TargetRunner) -> None:
         log.warning("draft was trained for %d target layers, target has %d", cfg.num_target_layers, target.num_layers)
 
 
-# rotary scalings whose factor stretches max_position_embeddings (llama3's and longrope's configs give the long one)
+# rotary scalings whose factor stretches the trained context (llama3's and longrope's configs give the long one)
 STRETCHING_ROPE = ("linear", "dynamic", "yarn")
 ALLOW_LONG_ENV = "DFLASH_ALLOW_LONG_MAX_MODEL_LEN"
 
 
 def max_positions(model: Any) -> int:
-    """The model's own longest context, as vLLM derives it: its text config's `max_position_embeddings` (a
-    multimodal checkpoint has none at the top; 4096 when the config does not say), times the factor of a rotary
-    scaling that stretches it (linear, dynamic, YaRN)."""
+    """The model's own longest context, the default --max-model-len: its text config's `max_position_embeddings` (a
+    multimodal checkpoint has none at the top; 4096 when the config does not say)."""
+    return int(getattr(model.config.get_text_config(), "max_position_embeddings", 4096))
+
+
+def longest_allowed(model: Any) -> int:
+    """The longest --max-model-len served without DFLASH_ALLOW_LONG_MAX_MODEL_LEN, as vLLM derives it: the model's
+    positions, or a stretching rotary scaling's reach (YaRN: its original_max_position_embeddings x factor;
+    linear, dynamic: max_position_embeddings x factor), whichever is longer."""
     text = model.config.get_text_config()
-    longest = int(getattr(text, "max_position_embeddings", 4096))
+    longest = max_positions(model)
     rope = getattr(text, "rope_parameters", None) or {}
-    if rope.get("rope_type", rope.get("type")) in STRETCHING_ROPE and rope.get("factor"):
-        longest = int(longest * float(rope["factor"]))
+    kind, factor = rope.get("rope_type", rope.get("type")), rope.get("factor")
+    if kind in STRETCHING_ROPE and factor:
+        base = rope.get("original_max_position_embeddings") if kind == "yarn" else None
+        longest = max(longest, int((base or longest) * float(factor)))
     return longest
 
 
@@ -163,8 +171,8 @@ def check_max_model_len(max_model_len: int | None, model_max: int) -> None:
     if max_model_len is None or max_model_len <= model_max or os.environ.get(ALLOW_LONG_ENV) == "1":
         return
     raise ValueError(f"--max-model-len {max_model_len:,} is longer than the model's {model_max:,} positions "
-                     f"(max_position_embeddings, with its rotary scaling): lower it, or set {ALLOW_LONG_ENV}=1 to "
-                     f"serve past what the model was trained for")
+                     f"(max_position_embeddings, or its rotary scaling's reach): lower it, or set {ALLOW_LONG_ENV}=1 "
+                     f"to serve past what the model was trained for")
 
 
 def load_target(
@@ -413,7 +421,7 @@ def memory_budget(
     slots = config.max_running_requests
     text = model.config.get_text_config()  # a multimodal checkpoint keeps its vocabulary there
     model_max = max_positions(model)
-    check_max_model_len(config.max_model_len, model_max)
+    check_max_model_len(config.max_model_len, longest_allowed(model))
     if not choice.paged:
         if config.kv_cache_memory is not None or config.gpu_memory_utilization is not None:
             log.warning("the hf backend has no KV pool: --kv-cache-memory / --gpu-memory-utilization are not applied")

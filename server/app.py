@@ -105,7 +105,7 @@ def _install_openapi(app: FastAPI) -> None:
 
 
 def _install_routes(app: FastAPI, state: ServerState) -> None:
-    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes (uvicorn sends no body)
+    @app.get("/health")
     async def health() -> JSONResponse:
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
@@ -116,6 +116,9 @@ def _install_routes(app: FastAPI, state: ServerState) -> None:
         if state.load_error:
             return JSONResponse({"status": "error", "message": state.load_error}, status_code=503)
         return JSONResponse({"status": "loading"}, status_code=503)
+
+    # HEAD for load balancers' probes (uvicorn sends no body); one operation in the OpenAPI schema
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
 
     @app.get("/version")
     async def version() -> dict[str, str]:

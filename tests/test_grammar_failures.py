@@ -163,7 +163,7 @@ def schema_format(schema: Any) -> dict[str, Any]:
     ({"type": "json_object"}, 30), (schema_format({"const": 1}), 20)], ids=["json_object", "const"])
 def test_min_tokens_with_a_complete_structured_output_is_no_500(server: ServerProcess, fmt: dict[str, Any],
                                                                 min_tokens: int) -> None:
-    body = {"response_format": fmt, "min_tokens": min_tokens, "max_tokens": 40}
+    body = {"response_format": fmt, "min_tokens": min_tokens, "max_tokens": 40, "temperature": 0}
     r = chat(server, **body)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]

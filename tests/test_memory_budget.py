@@ -12,7 +12,14 @@ import torch
 
 from dflash_core.bench.memory import memory_estimate
 from dflash_core.config import EngineConfig
-from dflash_core.loading import MAX_STATIC_BATCH, load_models, max_positions, memory_budget, static_shapes
+from dflash_core.loading import (
+    MAX_STATIC_BATCH,
+    load_models,
+    longest_allowed,
+    max_positions,
+    memory_budget,
+    static_shapes,
+)
 from dflash_core.memory import (
     GIB,
     RAM_KV_DEFAULT_CAP,
@@ -249,13 +256,13 @@ def test_a_length_past_the_models_positions_is_refused(monkeypatch: pytest.Monke
     from transformers import Qwen3Config
 
     class Model:
-        config = Qwen3Config(max_position_embeddings=32768,
+        config = Qwen3Config(max_position_embeddings=40960,
                              rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                            "original_max_position_embeddings": 32768})
 
-    assert max_positions(Model()) == 131072
+    assert (max_positions(Model()), longest_allowed(Model())) == (40960, 131072)  # Qwen3's YaRN, as vLLM reads it
     Model.config = Qwen3Config(max_position_embeddings=32768)
-    assert max_positions(Model()) == 32768
+    assert (max_positions(Model()), longest_allowed(Model())) == (32768, 32768)
 
 
 def test_serve_logs_the_budget_and_refuses_in_one_line(tmp_path: Path):

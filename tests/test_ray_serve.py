@@ -242,7 +242,12 @@ def test_deployment_options_tie_ray_to_the_engine_queue() -> None:
 def test_each_replica_warms_up_on_the_thread_that_serves(ray_server: RayServer) -> None:
     """A replica is up only once its worker thread has run `Engine.warm_up` (recorded CUDA graphs are per thread:
     a warm-up on the loading thread would leave the serving thread to record them again mid-traffic)."""
-    text = ray_server.log.read_text(errors="replace")
+    deadline = time.monotonic() + 30  # Ray forwards the replicas' log lines to the driver's output a little later
+    while True:
+        text = ray_server.log.read_text(errors="replace")
+        if len(re.findall(r"warmed up on the worker thread in [0-9.]+ s", text)) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert len(re.findall(r"warmed up on the worker thread in [0-9.]+ s", text)) >= 2, log_tail(ray_server.log)
 
 
