@@ -88,21 +88,28 @@ def test_a_swap_under_load_changes_no_token_and_moves_the_draft_version(served: 
     url = served.server.url
     plain = LLM(speculative=False, device="cpu")
     expected = [g.text for g in plain.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))]
-    set_gate(served.gate, 3)  # a prefill and two verify steps, then the engine holds every stream mid-way
+    set_gate(served.gate, 0)  # held until all four are in the engine (the HTTP requests arrive one by one)
     results: dict[int, Any] = {}
     threads = [threading.Thread(target=completion, args=(url, p, results, i)) for i, p in enumerate(PROMPTS)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + BOUND_S
-    while engine_requests(served.gate) < len(PROMPTS) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert engine_requests(served.gate) == len(PROMPTS)
-    r = admin(url, json={"path": str(served.new_draft)}, headers=AUTH)
-    assert r.status_code == 200, r.text
-    swapped = r.json()
-    assert swapped["draft_version"] == 2 and swapped["path"] == str(served.new_draft)
-    assert swapped["restarted_requests"] == len(PROMPTS)  # all four held memory mid-stream
-    open_gate(served.gate)
+    try:
+        deadline = time.monotonic() + BOUND_S
+        while engine_requests(served.gate) < len(PROMPTS) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine_requests(served.gate) == len(PROMPTS)
+        active = served.gate.with_suffix(".active")
+        paused = active.stat().st_mtime_ns
+        set_gate(served.gate, 3)  # a prefill of all four and two verify steps, then every stream held mid-way
+        while active.stat().st_mtime_ns == paused and time.monotonic() < deadline:  # rewritten when paused again
+            time.sleep(0.02)
+        r = admin(url, json={"path": str(served.new_draft)}, headers=AUTH)
+        assert r.status_code == 200, r.text
+        swapped = r.json()
+        assert swapped["draft_version"] == 2 and swapped["path"] == str(served.new_draft)
+        assert swapped["restarted_requests"] == len(PROMPTS)  # all four held memory mid-stream
+    finally:
+        open_gate(served.gate)  # the server's later tests need it running
     for t in threads:
         t.join(BOUND_S)
     assert [results[i][0] for i in range(len(PROMPTS))] == [200] * len(PROMPTS)
