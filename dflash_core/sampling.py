@@ -58,6 +58,10 @@ class SamplingParams:
     min_tokens: int = 0
     structured: StructuredOutput | None = None
 
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):  # one stop string, as vLLM's SamplingParams takes it
+            self.stop = [self.stop]
+
     @property
     def greedy(self) -> bool:
         """Argmax decoding: temperature 0, or one so small that dividing by it overflows (< SAMPLING_EPS)."""

@@ -307,6 +307,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     m("tree_forwards_timed_as_chains", "dflash_core/engine.py", "Engine._decode_batch",
       "costs = self.policy.costs.target if chains else self.policy.costs.tree", "costs = self.policy.costs.target",
       "tests/test_tree.py::test_tree_forwards_are_timed_apart_from_chain_forwards"),
+    m("continuous_usage_stats_ignored", "server/streaming.py", "stream_body",
+      "                if continuous:\n", "                if False:\n",
+      "tests/test_openai_surface.py::test_continuous_usage_stats_put_usage_on_every_chunk"),
     m("fused_draft_sees_padding_keys", FUSED_C, "dflash_draft_forward", "b->block_len[r], W,", "w, W,",
       f"{CPU_STEP}::test_fused_draft_proposes_as_the_pytorch_draft"),
     Mutation("logprobs_of_processed_logits", ACCEPT, "Engine._prefilled, Engine._accept", (

@@ -259,7 +259,7 @@ async def _respond(
         return error_response(CLIENT_GONE)
     if req.stream:
         return event_stream(
-            stream_body(run, fmt, rid, req.include_usage(), prompt_tokens),
+            stream_body(run, fmt, rid, req.include_usage(), prompt_tokens, req.continuous_usage()),
             state.settings.sse_ping_interval,
             rid,
         )

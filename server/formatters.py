@@ -39,6 +39,7 @@ class Choice:
     text_offset: int = 0  # characters of the text so far (completion logprobs' text_offset)
     output: ChatOutput | None = None  # chat: the reader of reasoning and tool calls
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (on the last event)
+    streamed_tokens: int = 0  # completion tokens of the events so far
 
 
 class ResponseFormatter(ABC):
@@ -90,6 +91,7 @@ class ResponseFormatter(ABC):
 
     def _record(self, c: Choice, ev: WorkerEvent) -> None:
         c.text.append(ev.text)
+        c.streamed_tokens += ev.num_tokens
         if ev.finish_reason is not None:
             c.finish_reason = ev.finish_reason
             c.completion_tokens = ev.completion_tokens

@@ -3,8 +3,8 @@
 Implemented beyond the basics: ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``
 with string token-id keys, ``min_p``, ``min_tokens``; vLLM-style extensions ``top_k``, ``ignore_eos``,
 ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``. Fields that cannot change the output
-(``prompt_cache_key``, ``safety_identifier``, ``metadata``, ``stream_options.include_obfuscation`` /
-``continuous_usage_stats``) are accepted and ignored; ``store: false`` keeps the request out of
+(``prompt_cache_key``, ``safety_identifier``, ``metadata``, ``stream_options.include_obfuscation``) are
+accepted and ignored; ``store: false`` keeps the request out of
 ``--record-traffic``. A field given as null takes its default, as OpenAI and vLLM read it (``null_means_default``:
 ``"stream": null`` is ``false``, ``"n": null`` is 1); a wrong type is still refused.
 """
@@ -28,7 +28,7 @@ _ASCII_TOKEN_ID = re.compile(r"\s*[0-9]+\s*", re.ASCII)  # a logit_bias key: ASC
 class StreamOptions(Strict):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None  # accepted, ignored (no obfuscation padding is sent)
-    continuous_usage_stats: bool | None = None  # accepted, ignored (usage comes in the final chunk)
+    continuous_usage_stats: bool | None = None  # with include_usage: usage on every chunk too (vLLM's)
 
 
 def null_means_default(data: Any, model: type[BaseModel]) -> Any:
@@ -120,6 +120,10 @@ class SamplingFields(Strict):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def continuous_usage(self) -> bool:
+        """vLLM's ``stream_options.continuous_usage_stats`` with ``include_usage``: usage on every chunk."""
+        return self.include_usage() and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def include_usage(self) -> bool:
         """Whether a final usage chunk is asked for."""

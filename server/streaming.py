@@ -23,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 from server.errors import event_error, internal_error
 from server.formatters import Choice, ResponseFormatter
 from server.handoff import WorkerEvent
+from server.protocol import usage_dict
 from server.runs import Run
 
 log = logging.getLogger("dflash.server")
@@ -83,9 +84,10 @@ def event_stream(body: AsyncIterator[bytes], ping_s: float, rid: str) -> EventSo
 
 
 async def stream_body(
-    run: Run, fmt: ResponseFormatter, rid: str, include_usage: bool, prompt_tokens: int
+    run: Run, fmt: ResponseFormatter, rid: str, include_usage: bool, prompt_tokens: int, continuous: bool = False
 ) -> AsyncIterator[bytes]:
-    """The SSE body: a ``: ping`` comment first (headers and first bytes at once, even while queued), the events."""
+    """The SSE body: a ``: ping`` comment first (headers and first bytes at once, even while queued), the events;
+    ``continuous``: each chunk carries its choice's usage so far (vLLM's ``continuous_usage_stats``)."""
     choices: dict[int, Choice] = {h.index: fmt.new_choice() for h in run.handles}
     try:
         yield PING
@@ -100,6 +102,8 @@ async def stream_body(
                 return
             chunk = fmt.chunk(choices[ev.index], ev)
             if chunk is not None:
+                if continuous:
+                    chunk["usage"] = usage_dict(prompt_tokens, choices[ev.index].streamed_tokens)
                 yield sse(chunk)
         if include_usage and not failed:
             yield sse(fmt.usage_chunk(choices, prompt_tokens))

@@ -91,6 +91,8 @@ def test_stop_string_and_early_exit_free_the_slots(llm: LLM) -> None:
     cut = llm.generate(CHATS[0], SamplingParams(max_tokens=48, stop=["="]))[0]
     assert "=" in full.text and cut.text == full.text[: full.text.index("=")]
     assert cut.finish_reason == "stop"
+    one = llm.generate(CHATS[0], SamplingParams(max_tokens=48, stop="="))[0]  # one string, as vLLM takes it
+    assert (one.text, one.finish_reason) == (cut.text, "stop")
     stream = llm.stream(CHATS, SamplingParams(max_tokens=200))
     next(stream)
     stream.close()  # the caller stops early: what still runs is aborted

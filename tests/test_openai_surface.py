@@ -346,6 +346,33 @@ def test_field_policy_and_text_options() -> None:
     run(test)
 
 
+def test_continuous_usage_stats_put_usage_on_every_chunk() -> None:
+    """vLLM's `stream_options.continuous_usage_stats` (with `include_usage`): every chunk carries the usage of its
+    choice so far, growing to the final usage chunk's; without it, only the final chunk has usage."""
+    engine = new_engine()
+    engine.script("steps", Script(THINK_STEPS, stop_token_id=eos()))
+    app = make_app(engine)
+
+    async def test() -> None:
+        async with serving(app) as client:
+            for continuous in (True, False):
+                options = {"include_usage": True, "continuous_usage_stats": continuous}
+                r = await client.post("/v1/chat/completions", json=chat("steps", stream=True, stream_options=options))
+                chunks = stream_chunks(r.text)
+                *steps, last = chunks
+                assert last["choices"] == [] and last["usage"]["completion_tokens"] > 0
+                if not continuous:
+                    assert not any("usage" in c for c in steps)
+                    continue
+                used = [c["usage"]["completion_tokens"] for c in steps]
+                assert used == sorted(used) and used[-1] == last["usage"]["completion_tokens"] and len(set(used)) > 1
+                assert all(c["usage"]["prompt_tokens"] == last["usage"]["prompt_tokens"] for c in steps)
+                assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
+                           for c in steps)
+
+    run(test)
+
+
 def test_skip_special_tokens() -> None:
     tok = demo_tokenizer()
     engine = new_engine()
