@@ -432,8 +432,8 @@ class Engine:
         trees = [tree for _, tree in plans]
         chains = all(t.is_chain for t in trees)
         outs = self._forward_rows(rows, self.drafter is not None, False, None if chains else trees)
-        costs = self.policy.costs.target if chains else self.policy.costs.tree  # a tree forward: its own table
-        self.clock.stop(mark, functools.partial(costs.add, self._forward_tokens(rows)))
+        self.clock.stop(mark, functools.partial(self.policy.costs.verify_table(not chains).add,  # trees: their own
+                                                self._forward_tokens(rows)))
         whole = self.clock.stop(whole)
         dists = {req.id: prop.dist for req, prop in proposed}
         choices = step_choices(plans, outs, dists, self.spec_sampling)  # the step's one host sync

@@ -150,9 +150,13 @@ class StepCosts:
         """Seconds a plain decoding step of `num_requests` requests would take (one token each)."""
         return self.target(num_requests)
 
+    def verify_table(self, trees: bool) -> LinearCost:
+        """The table of verify forwards with trees among their rows (`tree`), or of chains only (`target`)."""
+        return self.tree if trees else self.target
+
     def verify(self, tokens: int, trees: bool) -> float:
         """Seconds of a verify forward of `tokens` tokens, with trees among its rows or chains only."""
-        return self.tree(tokens) if trees else self.target(tokens)
+        return self.verify_table(trees)(tokens)
 
 
 @dataclass

@@ -305,7 +305,7 @@ MUTATIONS: tuple[Mutation, ...] = (
       "max(spent + self.costs.tree(grown), 1e-9)", "max(spent + self.costs.target(grown), 1e-9)",
       "tests/test_tree.py::test_the_adaptive_policy_weighs_the_tree_against_the_chain"),
     m("tree_forwards_timed_as_chains", "dflash_core/engine.py", "Engine._decode_batch",
-      "costs = self.policy.costs.target if chains else self.policy.costs.tree", "costs = self.policy.costs.target",
+      "self.policy.costs.verify_table(not chains).add", "self.policy.costs.target.add",
       "tests/test_tree.py::test_tree_forwards_are_timed_apart_from_chain_forwards"),
     m("continuous_usage_stats_ignored", "server/streaming.py", "stream_body",
       "                if continuous:\n", "                if False:\n",

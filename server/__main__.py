@@ -9,7 +9,8 @@ Connections: ``--limit-concurrency`` open connections (idle ones count) or reque
 a request gets an immediate 503 envelope and its connection is closed. ``--header-timeout`` closes a connection
 whose request headers have not arrived that long after it opened (or after its previous response), which uvicorn
 alone never does; ``--keep-alive-timeout`` is uvicorn's idle keep-alive timeout. A request body that pauses longer
-than the header timeout, or takes over 60 s in all, is answered 408 and its connection closed (``server.checks``).
+than the header timeout, or takes longer than ``--body-timeout`` in all, is answered 408 and its connection closed
+(``server.checks``).
 
 Shutdown (SIGTERM or SIGINT): the server stops admitting (new requests and ``/health`` get 503) and lets the
 requests in progress finish for up to ``--shutdown-timeout`` seconds. Then running streams get an error event and

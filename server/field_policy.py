@@ -2,7 +2,8 @@
 
 Requests are validated strictly (a string is not a number) and a field we do not know is refused (``Strict``).
 Fields of the OpenAI API that we do not implement are accepted only with their neutral value (e.g. ``best_of: 1``)
-and then dropped (``drop_neutral``); anything else names the field in a 400.
+and then dropped (``drop_neutral``); anything else names the field in a 400. A field given as null takes its
+default, as OpenAI and vLLM read it (``null_means_default``).
 """
 
 from __future__ import annotations
@@ -76,3 +77,14 @@ def drop_neutral(data: Any, table: dict[str, Any]) -> Any:
                 raise ValueError(f"unsupported field '{name}': this server does not implement it")
             del out[name]
     return out
+
+
+def null_means_default(data: Any, model: type[BaseModel]) -> Any:
+    """``data`` without the fields given as null whose default is not null: such a null means the default (required
+    fields stay, to be refused)."""
+    if not isinstance(data, dict):
+        return data
+    fields = model.model_fields
+    nulls = [k for k, v in data.items() if v is None and k in fields and not fields[k].is_required()
+             and fields[k].default is not None]
+    return {k: v for k, v in data.items() if k not in nulls} if nulls else data

@@ -14,9 +14,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from server.field_policy import Strict
+from server.field_policy import Strict, null_means_default
 
 MAX_N = 8
 MAX_TOP_LOGPROBS = 20
@@ -29,17 +29,6 @@ class StreamOptions(Strict):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None  # accepted, ignored (no obfuscation padding is sent)
     continuous_usage_stats: bool | None = None  # with include_usage: usage on every chunk too (vLLM's)
-
-
-def null_means_default(data: Any, model: type[BaseModel]) -> Any:
-    """``data`` without the fields given as null whose default is not null: such a null means the default (required
-    fields stay, to be refused)."""
-    if not isinstance(data, dict):
-        return data
-    fields = model.model_fields
-    nulls = [k for k, v in data.items() if v is None and k in fields and not fields[k].is_required()
-             and fields[k].default is not None]
-    return {k: v for k, v in data.items() if k not in nulls} if nulls else data
 
 
 class SamplingFields(Strict):

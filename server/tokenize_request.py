@@ -8,8 +8,7 @@ from typing import Any
 from pydantic import ValidationInfo, model_validator
 
 from server.chat_request import ChatMessage, Tool, check_continuation, check_message_count
-from server.field_policy import Strict
-from server.sampling_fields import null_means_default
+from server.field_policy import Strict, null_means_default
 
 
 class TokenizeRequest(Strict):
