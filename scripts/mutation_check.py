@@ -267,7 +267,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     m("fused_gemm_chains_restart_per_block_of_k", FUSED_C, "gemm", "int first = k0 == 0;", "int first = 1;",
       f"{CPU_STEP}::test_fused_forward_matches_the_pytorch_forward"),
     m("held_events_overtaken_by_a_direct_post", "server/worker.py", "Worker._post",
-      "            run_held()\n            h.post(event)", "            h.post(event)",
+      "            run_held()\n            self._poster", "            self._poster",
       "tests/test_worker_fake.py::test_an_event_posted_between_steps_comes_after_the_tokens_of_the_step_before"),
     m("draft_swap_runs_before_held_events", "server/worker.py", "Worker._iteration",
       "                run_held()  # a call (a draft swap)", "                pass  # a call (a draft swap)",

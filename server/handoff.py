@@ -1,12 +1,15 @@
 """What crosses from the worker thread to the asyncio event loops: the requests as the loop sees them
-(`RequestHandle`), their events (`WorkerEvent`, `WorkerError`), and the thread-safe posting of events."""
+(`RequestHandle`), their events (`WorkerEvent`, `WorkerError`), and the thread-safe posting of events
+(`EventPoster`)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
+import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +23,10 @@ log = logging.getLogger("dflash.worker")
 Delivery = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[Any]", Any]  # (loop, queue, event)
 
 
+POLL_S = 0.002  # a CPU worker's loops look for events this often while they flow (`EventPoster`)
+POLL_IDLE_S = 0.01  # ... and stop looking after this long without one
+
+
 def _deliver(items: list[Delivery]) -> None:
     for _, queue, event in items:
         try:
@@ -28,17 +35,91 @@ def _deliver(items: list[Delivery]) -> None:
             log.exception("delivering a worker event failed")
 
 
-def post_all(items: list[Delivery]) -> None:
-    """Put each event on its queue from its loop's thread, in order: one wake-up of each loop for all of its
-    events, rather than one per event (a step of N streams wakes the loop once)."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[Delivery]] = {}
-    for item in items:
-        by_loop.setdefault(item[0], []).append(item)
-    for loop, group in by_loop.items():
+def poll_interval(device: str) -> float | None:
+    """How often an event loop looks for a worker's events while they flow (`EventPoster`): on a CPU, where the
+    worker's thread computes the forwards and a wake-up of the loop is part of every step, `POLL_S`; elsewhere
+    None (the worker posts while the device computes, where waking the loop costs the step nothing)."""
+    return POLL_S if device.startswith("cpu") else None
+
+
+class _Mailbox:
+    """One event loop's undelivered events, and whether the loop is looking for more by itself."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, poll_s: float, idle_s: float) -> None:
+        self.loop, self.poll_s, self.idle_s = loop, poll_s, idle_s
+        self.items: list[Delivery] = []
+        self.lock = threading.Lock()
+        self.looking = False  # a `drain` is scheduled on the loop: a post needs no wake-up (guarded by lock)
+        self.last_event = 0.0  # when the loop last found events (its own clock)
+
+    def post(self, group: list[Delivery], wake: bool) -> None:
+        """Worker thread: queue the events; wake the loop if it is not looking, or if `wake`."""
+        with self.lock:
+            self.items.extend(group)
+            if self.looking and not wake:
+                return
+            callback, self.looking = (self.deliver if self.looking else self.drain), True
         try:
-            loop.call_soon_threadsafe(_deliver, group)
+            self.loop.call_soon_threadsafe(callback)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
+
+    def deliver(self) -> None:
+        """Loop thread: deliver what came (woken while looking; the looking goes on)."""
+        with self.lock:
+            items, self.items = self.items, []
+        _deliver(items)
+
+    def drain(self) -> None:
+        """Loop thread: deliver what came; look again in `poll_s`, unless nothing came for `idle_s`."""
+        now = self.loop.time()
+        with self.lock:
+            items, self.items = self.items, []
+            if not items and now - self.last_event >= self.idle_s:
+                self.looking = False  # the next post wakes the loop
+                return
+        if items:
+            self.last_event = now
+            _deliver(items)
+        self.loop.call_later(self.poll_s, self.drain)
+
+
+class EventPoster:
+    """Hands events from the worker thread to the event loops they belong to, in order, each loop's events of a
+    call together (a step of N streams wakes the loop once, not N times).
+
+    Waking a loop (`call_soon_threadsafe`: a write to its self-pipe, and the other core's wake-up) costs the
+    posting thread 15 us after plain Python and 40-55 us right after the forward's vector work on the development
+    VM: on a CPU, where the worker's thread computes the forwards itself, a twentieth of a plain step of the demo
+    target. With `poll_s`, a loop that has been woken keeps looking for events every `poll_s` on its own timer for
+    as long as they keep coming (until `idle_s` passes with none), and the worker wakes it only when it is not
+    looking: a steady stream costs the worker no wake-up at all, and an event that does not ask to `wake` the loop
+    waits `poll_s` at most (asyncio's timers have a millisecond's resolution); the worker asks for a request's first
+    tokens and its last event, so that TTFT and latency are not a poll late, and only a stream's tokens in between
+    come in twos or threes at a CPU's step rate. Without `poll_s` every call wakes the loop, as on a GPU, where the
+    worker posts while the device computes."""
+
+    def __init__(self, poll_s: float | None = None, idle_s: float = POLL_IDLE_S) -> None:
+        self.poll_s, self.idle_s = poll_s, idle_s
+        self._boxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = weakref.WeakKeyDictionary()
+
+    def post_all(self, items: list[Delivery], wake: bool = True) -> None:
+        """Worker thread: put each event on its queue from its loop's thread, in order. With `poll_s`, `wake`
+        False leaves the events to a loop that is looking for them (a request's tokens after its first)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[Delivery]] = {}
+        for item in items:
+            by_loop.setdefault(item[0], []).append(item)
+        for loop, group in by_loop.items():
+            if self.poll_s is None:
+                try:
+                    loop.call_soon_threadsafe(_deliver, group)
+                except RuntimeError:  # the loop is closed: nobody is listening any more
+                    pass
+                continue
+            box = self._boxes.get(loop)
+            if box is None:
+                box = self._boxes[loop] = _Mailbox(loop, self.poll_s, self.idle_s)
+            box.post(group, wake)
 
 
 @dataclass
@@ -83,7 +164,3 @@ class RequestHandle:
     record: bool = False  # hand it to the worker's traffic recorder when it finishes (not with "store": false)
     arrival: float = field(default_factory=time.monotonic)
     uid: int = field(default_factory=lambda: next(_ids))
-
-    def post(self, event: WorkerEvent) -> None:
-        """Hand an event to the event loop (thread-safe)."""
-        post_all([(self.loop, self.queue, event)])

@@ -24,6 +24,7 @@ from server.adapt import DraftAdapter, adapt_settings
 from server.chat_setup import ChatSetup
 from server.draft_swap import DraftSwapError, DraftSwapper
 from server.generation_config import GenerationDefaults, load_generation_defaults
+from server.handoff import poll_interval
 from server.metrics import ServerMetrics
 from server.parsing import Limiter, ParsePool
 from server.prompts import PromptBuilder
@@ -107,7 +108,7 @@ class ServerState:
             on_warm_up_error=lambda exc: self._failed(exc, on_error),
             on_ready=self._one_core if self._wants_one_core(models) else None,
             recorder=self.recorder, model_name=self.served_model_name,
-            hold_events=pays_to_hold(models.device, models.cpu_step),
+            hold_events=pays_to_hold(models.device, models.cpu_step), poll_events_s=poll_interval(models.device),
         )
         worker.start()
         self.swapper = DraftSwapper(models, worker, self.metrics, display_name)

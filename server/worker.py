@@ -3,9 +3,10 @@
 The event loop submits ``RequestHandle`` objects; the thread admits up to ``max_running`` of them into
 the engine (the rest wait in a bounded queue), calls ``Engine.step()``, detokenizes every output right
 away (stop strings are found here, so a stopped request is aborted before it wastes another step),
-and posts ``WorkerEvent`` objects to each request's asyncio queue with ``loop.call_soon_threadsafe``: a step's
-events together, so a step of many streams wakes the event loop once; where the forwards wait for the device
-without the GIL, held until the next step's forward does (``dflash_core/overlap.py``): the loop's work overlaps it.
+and posts ``WorkerEvent`` objects to each request's asyncio queue (``EventPoster``): a step's events together, so
+a step of many streams wakes the event loop once (on a CPU, not even that while the loop looks for them by
+itself); where the forwards wait for the device without the GIL, held until the next step's forward does
+(``dflash_core/overlap.py``): the loop's work overlaps it.
 No model call ever runs on the event loop.
 """
 
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from dflash_core.detokenize import OutputText
 from dflash_core.overlap import hold, run_held
 from dflash_core.stats import SpecSummary
-from server.handoff import Delivery, RequestHandle, WorkerError, WorkerEvent, post_all
+from server.handoff import Delivery, EventPoster, RequestHandle, WorkerError, WorkerEvent
 from server.serving_engine import ServingEngine
 from server.traffic import TrafficSink, finished
 
@@ -66,15 +67,18 @@ class Worker:
         self, engine: ServingEngine, tokenizer: Any, metrics: ServerMetrics, *, max_running: int, max_waiting: int,
         warm_up: Callable[[], Any] | None = None, on_warm_up_error: Callable[[Exception], None] | None = None,
         on_ready: Callable[[], None] | None = None, recorder: TrafficSink | None = None, model_name: str = "",
-        hold_events: bool = False,
+        hold_events: bool = False, poll_events_s: float | None = None,
     ) -> None:
         """``warm_up`` (``Engine.warm_up``) runs first on the worker's own thread, the one that runs the steps
         (recorded CUDA graphs are per thread); the worker is ``ready`` once it has run. If it raises, the thread
         ends and ``on_warm_up_error`` gets the exception. ``on_ready`` runs on the worker's thread after the
         warm-up, before the first request (the server pins threads there); if it raises, the error is logged.
         ``hold_events``: a step's events wait for the next forward's wait for the device (where holding pays,
-        ``dflash_core.overlap.pays_to_hold``) instead of being posted when the step ends."""
+        ``dflash_core.overlap.pays_to_hold``) instead of being posted when the step ends. ``poll_events_s``: the
+        event loops look for events that often while they flow, instead of being woken for each step
+        (``EventPoster``; ``handoff.poll_interval`` says where)."""
         self._engine = engine
+        self._poster = EventPoster(poll_events_s)
         self._hold_events = hold_events
         self._recorder, self._model_name = recorder, model_name  # --record-traffic: finished requests go there
         self._tokenizer = tokenizer
@@ -89,6 +93,7 @@ class Worker:
         self._by_uid: dict[int, _Request] = {}
         self._closed: WorkerError | None = None  # set by fail_all: later requests fail at once with it
         self._outbox: list[Delivery] | None = None  # a step's events, posted together
+        self._outbox_wakes = False  # ... and whether one of them wakes the event loop (`_post`)
         self._kv_seen: KVStats | None = None  # the KV snapshot the metrics last had
         self._thread = threading.Thread(target=self._run, name="dflash-worker", daemon=True)
         self._warm_up, self._on_warm_up_error, self._on_ready = warm_up, on_warm_up_error, on_ready
@@ -279,25 +284,27 @@ class Worker:
             self._active[rid] = r
 
     def _step(self) -> None:
-        self._outbox = []
+        self._outbox, self._outbox_wakes = [], False
         try:
             self._step_outputs()
         finally:
-            outbox, self._outbox = self._outbox, None
+            outbox, wake, self._outbox = self._outbox, self._outbox_wakes, None
             run_held()  # the previous step's events, if this step had no forward to post them: order kept
             if outbox and self._hold_events:  # posted when the next forward waits for the device (or earlier)
-                hold(lambda: post_all(outbox))
+                hold(lambda: self._poster.post_all(outbox, wake=wake))
             elif outbox:
-                post_all(outbox)
+                self._poster.post_all(outbox, wake=wake)
 
-    def _post(self, h: RequestHandle, event: WorkerEvent) -> None:
+    def _post(self, h: RequestHandle, event: WorkerEvent, wake: bool = True) -> None:
         """Post now (after what is held, in order), or with the rest of the step's events while a step's outputs
-        are processed."""
+        are processed. ``wake``: the event loop is woken for it even while it looks for events by itself (a
+        request's first token and its end: its TTFT and its latency are not a poll late; ``EventPoster``)."""
         if self._outbox is None:
             run_held()
-            h.post(event)
+            self._poster.post_all([(h.loop, h.queue, event)], wake=wake)
         else:
             self._outbox.append((h.loop, h.queue, event))
+            self._outbox_wakes |= wake
 
     def _step_outputs(self) -> None:
         try:
@@ -369,7 +376,7 @@ class Worker:
             index=r.handle.index, text=text, num_tokens=len(kept), logprobs=logprobs, finish_reason=finish
         )
         if finish is None:
-            self._post(r.handle, event)
+            self._post(r.handle, event, wake=r.num_tokens == len(kept))  # its first tokens wake the loop
             return
         self._finish(r, finish, now, event=event)
         if step.stopped_early:  # cut by a stop string: stop generating now; released when the engine reports the abort

@@ -103,6 +103,7 @@ class WorkerPath:
         from prometheus_client import CollectorRegistry
 
         from dflash_core.overlap import pays_to_hold
+        from server.handoff import poll_interval
         from server.metrics import ServerMetrics
         from server.worker import Worker
 
@@ -110,7 +111,8 @@ class WorkerPath:
                                 registry=CollectorRegistry())
         self.tokenizer, self.one_core = tokenizer, one_core
         self.worker = Worker(engine, tokenizer, metrics, max_running=1, max_waiting=1,
-                             hold_events=pays_to_hold("cpu", engine.target.cpu_step))
+                             hold_events=pays_to_hold("cpu", engine.target.cpu_step),
+                             poll_events_s=poll_interval("cpu"))
         self.worker.start()
 
     def run(self, prompts: Sequence[Prompt], params: Any) -> PathRun:
