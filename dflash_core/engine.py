@@ -372,8 +372,7 @@ class Engine:
         self.memory.register(req)
         return step
 
-    def _draft_width(self, req: EngineRequest) -> int:
-        """Draft tokens to propose: B-1, fewer when max_tokens is closer."""
+    def _draft_width(self, req: EngineRequest) -> int:  # draft tokens to propose: B-1, fewer near max_tokens
         return min(self.block_size, req.params.max_tokens - len(req.output)) - 1
 
     def _propose_all(
@@ -394,8 +393,9 @@ class Engine:
         sampling = [draft_sampling(self.spec_sampling, r.params, r.seed) for r in drafting]
         # candidates only where a tree may follow (they cost a top-k, and on CUDA the compiled whole-step graph)
         candidates = TREE_TOP_K if self.policy.uses_trees and any(map(self._tree_ok, drafting)) else 0
-        mark = self.clock.start()
         try:
+            self.drafter.catch_up([it.state for it in items])  # context held back by plain steps: not the draft's cost
+            mark = self.clock.start()
             for req, prop in zip(drafting, self.drafter.propose_scored(items, sampling, candidates)):
                 plans[req.id] = (req, prop)
                 req.drafted = True

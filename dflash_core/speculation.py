@@ -6,7 +6,9 @@ when the draft is right and cost more target compute always; under load the cost
 1. **Which requests draft this step** (`WidthPolicy.drafting`). Each request keeps an average of the tokens its
    speculative steps committed. Requests are ranked by it and the drafting set is the top-k whose predicted
    tokens per second (from the measured step costs) is highest; the others take a plain step (width 1, no draft).
-   A request left out this way is re-tried (`retry_after` steps later), since its text may turn predictable.
+   A request left out this way is re-tried (`retry_after` steps later), since its text may turn predictable, but
+   only where drafting would pay if it had: where a step's costs alone rule drafting out (a busy batch on a CPU),
+   nothing is re-tried.
 2. **Where to cut the proposals** (`WidthPolicy.widths`). The draft's probability of each proposed token gives
    the running product q_k, roughly the chance that the first k + 1 proposals are all accepted, so a row of width
    w is expected to commit 1 + q_0 + ... + q_{w-2} tokens (scaled by a calibration factor: accepted over expected
@@ -233,23 +235,36 @@ class WidthPolicy:
             return [0] * n
         # the draft proposes about twice what the best request has been committing (a width in the set)
         width = self._round_up(min(2 * states[order[0]].mean_committed, self.block_size))
+        def rate(k: int, tokens: float) -> float:  # predicted tokens per second of a step where k requests draft
+            verified = n * width if self.padded else n + k * (width - 1)
+            return tokens / max(self.costs.target(verified) + self.costs.draft(k * width), 1e-9)
+
         best_k, best_rate = 0, n / max(self.costs.plain_step(n), 1e-9)
         tokens = float(n)
         for k, i in enumerate(order, start=1):
             tokens += states[i].mean_committed - 1.0
-            verified = n * width if self.padded else n + k * (width - 1)
-            seconds = self.costs.target(verified) + self.costs.draft(k * width)
-            if tokens / max(seconds, 1e-9) > best_rate:
-                best_k, best_rate = k, tokens / max(seconds, 1e-9)
+            if rate(k, tokens) > best_rate:
+                best_k, best_rate = k, rate(k, tokens)
         chosen = set(order[:best_k])
+        tokens = n + sum(states[i].mean_committed - 1.0 for i in chosen)
         for i in chosen:  # drafting on merit: its next plain streak starts with a short re-try again
             states[i].retry_after = RETRY_AFTER
         for i in order[best_k:]:  # left out: re-try one that has waited long enough, on a step that drafts anyway
             # (with other requests, a draft forward for re-tries alone costs its whole launch overhead for little:
             # wait 4x longer; a lone request's re-try is cheap next to what a wrong plain streak loses)
             wait = states[i].retry_after * (1 if chosen or n == 1 else 4)
-            if states[i].plain_streak >= wait:
-                chosen.add(i)
+            if states[i].plain_streak < wait:
+                continue
+            # A re-try finds out whether its text has turned predictable: only worth its cost if drafting would pay
+            # were it so (committing what speculative steps commit on average, or its own best). Where the step's
+            # costs alone rule drafting out (a CPU's verify costs grow with every token, and a busy batch's plain
+            # step is cheap per token), no acceptance could, and re-tries would only slow every request down.
+            # (the hope falls along `order`: once one does not pay, none after it would)
+            hoped = tokens + max(self.mean_committed, states[i].mean_committed) - 1.0
+            if rate(len(chosen) + 1, hoped) < best_rate:
+                break
+            chosen.add(i)
+            tokens, best_rate = hoped, rate(len(chosen), hoped)
         return [min(room[i], width - 1) if i in chosen else 0 for i in range(n)]
 
     # ---- 2. how wide ----
@@ -257,6 +272,8 @@ class WidthPolicy:
         """Draft tokens each row verifies (a prefix of its proposal; 0 for a plain row). Padded rows share the
         step's width (`verify_width`); ragged rows each get the width, from the set, where the step's predicted
         tokens per second peak, within the budget on their verify tokens."""
+        if not any(confidences):  # a plain step: nobody drafted
+            return [0] * len(confidences)
         if self.padded or not self.adaptive:
             w = self.verify_width(confidences, budget)
             return [min(w - 1, len(c)) for c in confidences]

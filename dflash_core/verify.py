@@ -85,8 +85,8 @@ def verify_plans(
     candidates (`build_tree`) of at most room[r] nodes (the rows its cache may write past its position)."""
     chains = [DraftTree.chain(req.output[-1], grammar_cut(req, prop.tokens[:k])) for (req, prop), k in zip(proposed,
                                                                                                         keep)]
-    if not policy.uses_trees or not any(tree_ok):
-        return [(req, chain) for (req, _), chain in zip(proposed, chains)]
+    if not policy.uses_trees or not any(ok and prop.candidates for (_, prop), ok in zip(proposed, tree_ok)):
+        return [(req, chain) for (req, _), chain in zip(proposed, chains)]  # no row has a tree's material
     trees = [build_tree(req.output[-1], *prop.candidates, min(policy.tree_budget, space))
              if ok and prop.candidates and space > 0 else None
              for (req, prop), ok, space in zip(proposed, tree_ok, room)]

@@ -191,7 +191,9 @@ def _proposals(model, draft, static: StaticShapes | None) -> list:
     block of 2) and a context of one row among them, padded to buckets of 2 (the one graph serves them).
     The draft's pages are the target's block-id space; the requests'
     tables are shuffled ids."""
-    drafter = DFlashDrafter(draft, _target(model), block_size=8, max_slots=4, max_len=MAX_LEN, static=static)
+    # a GPU's limit on held-back context rows (a block: a proposal then never writes beforehand, one copy each)
+    drafter = DFlashDrafter(draft, _target(model), block_size=8, max_slots=4, max_len=MAX_LEN, static=static,
+                            pending_blocks=1)
     assert drafter.pages is not None and drafter.pages.k[0].shape[0] == TARGET_BLOCKS * KV_BLOCK
     graphs = None
     if static is not None:

@@ -130,8 +130,8 @@ def test_window_gathers_only_its_blocks(draft, target, monkeypatch) -> None:
 @pytest.mark.parametrize("window", [None, 20], ids=["full", "window20"])
 def test_cached_prefix_proposes_as_its_writer(draft, target, window) -> None:
     """Request A writes 45 positions of context; B shares A's first 2 blocks (16 positions, `cached=16`) and is fed
-    only positions 16.. (most of them written at once, from position 16 on); both then propose at the same
-    positions with the same tokens, as does a fresh request fed everything."""
+    only positions 16.. (held back: 29 rows are within a CPU's 4 blocks' worth, written by its first proposal);
+    both then propose at the same positions with the same tokens, as does a fresh request fed everything."""
     drafter = DFlashDrafter(draft, target, 8, max_slots=3, max_len=MAX_LEN, window=window)
     f = features(draft, MAX_LEN, 6)
     a_blocks = list(range(1, 21))
@@ -144,7 +144,7 @@ def test_cached_prefix_proposes_as_its_writer(draft, target, window) -> None:
     b = drafter.new_state(1, [], b_blocks, cached=16)
     assert drafter.context_written(b) == 16 and b.blocks is b_blocks  # the engine's list, grown in place
     drafter.extend_context(b, f[16:45])
-    assert drafter.context_written(b) == 40
+    assert drafter.pending_limit == 4 * 8 and drafter.context_written(b) == 16
     fresh = DFlashDrafter(draft, target, 8, max_slots=3, max_len=MAX_LEN, window=window)
     c = fresh.new_state(2, [])
     fresh.extend_context(c, f[:45])
@@ -170,11 +170,40 @@ def test_new_state_checks(draft, target) -> None:
     with pytest.raises(ValueError, match="block table"):
         DFlashDrafter(draft, small, 8, max_slots=3, max_len=MAX_LEN).new_state(2, [])
     st = drafter.new_state(0, [], [4])
-    with pytest.raises(ValueError, match="blocks"):  # 20 rows: 16 go to the cache now, past the table's 1 block
-        drafter.extend_context(st, features(draft, 20, 1))
-    assert st.written == 0 and sum(f.shape[0] for f in st.pending) == 20  # nothing consumed
+    with pytest.raises(ValueError, match="blocks"):  # 40 rows: 32 go to the cache now, past the table's 1 block
+        drafter.extend_context(st, features(draft, 40, 1))
+    assert st.written == 0 and sum(f.shape[0] for f in st.pending) == 40  # nothing consumed
     assert drafter.prefix_cacheable
     unpaged = DFlashDrafter(draft, target, 8)
     assert not unpaged.prefix_cacheable and unpaged.context_written(unpaged.new_state(0, [], [1])) == 0
     with pytest.raises(ValueError, match="not paged"):
         unpaged.new_state(0, [], [1], cached=8)
+
+
+def test_a_plain_streak_holds_context_rows_back_on_a_cpu_and_a_proposal_catches_up(draft, target, monkeypatch) -> None:
+    """One committed position a step (plain steps): on a CPU the rows are written four blocks' worth at a time,
+    not one block's; before a proposal (`catch_up`, which the engine calls untimed) what is held beyond a block is
+    written, and the proposal is a drafter's that wrote every block at once (the limit on a GPU)."""
+    writes: list[int] = []
+    original = DFlashDrafter._write_context
+
+    def counted(self, state, keep):  # noqa: ANN001, ANN202
+        writes.append(id(self))
+        return original(self, state, keep)
+
+    monkeypatch.setattr(DFlashDrafter, "_write_context", counted)
+    held = DFlashDrafter(draft, target, 8, max_slots=2, max_len=MAX_LEN)
+    eager = DFlashDrafter(draft, target, 8, max_slots=2, max_len=MAX_LEN, pending_blocks=1)
+    f = features(draft, MAX_LEN, 7)
+    states = [d.new_state(0, []) for d in (held, eager)]
+    for pos in range(80):
+        for d, st in zip((held, eager), states):
+            d.extend_context(st, f[pos : pos + 1])
+    # past 32 rows (at 33 and 65) against past 8 (at 9, 17, .., 73), all but the last row or rows
+    assert writes.count(id(held)) == 2 and writes.count(id(eager)) == 9
+    assert (held.context_written(states[0]), states[0].pending_rows) == (64, 16)
+    held.catch_up([states[0]])
+    assert (held.context_written(states[0]), states[0].pending_rows) == (72, 8) == (eager.context_written(states[1]),
+                                                                                  states[1].pending_rows)
+    (ph,), (pe,) = (d.propose_scored([DraftRequest(st, 5, 80, 7)]) for d, st in zip((held, eager), states))
+    assert ph.tokens == pe.tokens and ph.confidence == pytest.approx(pe.confidence, rel=1e-5)

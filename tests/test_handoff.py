@@ -151,3 +151,47 @@ def test_a_closed_loop_is_skipped_quietly() -> None:
 def test_a_cpu_worker_polls_and_a_gpu_worker_wakes() -> None:
     assert poll_interval("cpu") is not None
     assert poll_interval("cuda") is None and poll_interval("cuda:1") is None
+
+
+def test_a_worker_wakes_a_looking_loop_for_a_requests_first_tokens_and_its_end() -> None:
+    """A worker whose loops look for events only every 30 s: a stream already running keeps the loop looking, yet a
+    second request's first tokens and both requests' ends arrive at once (each wakes the loop); only the tokens in
+    between wait for a look."""
+    from dflash_core.sampling import SamplingParams
+    from server.handoff import RequestHandle
+    from server.metrics import ServerMetrics
+    from server.worker import Worker
+    from tests.fake_engine import FakeEngine, Script, demo_tokenizer
+
+    engine = FakeEngine(tokenizer=demo_tokenizer())
+    gates = {key: threading.Event() for key in ("first", "second")}
+    for key, gate in gates.items():
+        engine.script(key, Script([f"{key} one", gate, " two", " three"]))
+
+    async def test() -> None:
+        metrics = ServerMetrics(block_size=engine.block_size, target="fake", draft="fake", device="cpu", backend="fake")
+        worker = Worker(engine, demo_tokenizer(), metrics, max_running=2, max_waiting=2, poll_events_s=30.0)
+        worker.start()
+        loop = asyncio.get_running_loop()
+
+        def handle(key: str) -> RequestHandle:
+            ids = demo_tokenizer()(key, add_special_tokens=False)["input_ids"]
+            return RequestHandle(index=0, prompt_token_ids=ids, params=SamplingParams(max_tokens=8), loop=loop,
+                                 queue=asyncio.Queue(), request_id=key)
+
+        try:
+            first, second = handle("first"), handle("second")
+            worker.submit([first])
+            assert (await asyncio.wait_for(first.queue.get(), TIMEOUT_S)).text == "first one"  # the loop looks now
+            worker.submit([second])
+            assert (await asyncio.wait_for(second.queue.get(), TIMEOUT_S)).text == "second one"  # not 30 s later
+            for key, h in (("first", first), ("second", second)):
+                gates[key].set()
+                events = [await asyncio.wait_for(h.queue.get(), TIMEOUT_S)]
+                while events[-1].finish_reason is None:
+                    events.append(await asyncio.wait_for(h.queue.get(), TIMEOUT_S))
+                assert "".join(e.text for e in events) == " two three"
+        finally:
+            await asyncio.to_thread(worker.stop)
+
+    asyncio.run(test())

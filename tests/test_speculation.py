@@ -97,6 +97,20 @@ def test_requests_whose_drafts_do_not_pay_take_plain_steps_and_are_retried() -> 
     assert policy.drafting([good, bad], [0, 15]) == [0, 0]  # a request with no room never drafts
 
 
+def test_no_retries_where_the_step_costs_alone_rule_drafting_out() -> None:
+    """A busy batch on a CPU: verify and draft costs grow with every token and a plain step of 8 is cheap per token,
+    so even requests that commit 6 tokens a speculative step are better off plain; re-trying them could only find
+    that out again, at every request's expense: nobody drafts, however long the plain streaks. Alone, the same
+    request drafts on merit."""
+    policy = measured(0.0008, 0.00012, 0.0008, 0.0001)
+    states = [SpecState(mean_committed=6.0) for _ in range(8)]
+    for state in states:
+        for _ in range(1000):
+            policy.observe(state, drafted=False, committed=1)
+    assert policy.drafting(states, [15] * 8) == [0] * 8
+    assert policy.drafting([SpecState(mean_committed=6.0)], [15])[0] > 0
+
+
 def test_draft_width_follows_what_requests_commit() -> None:
     policy = measured(0.010, 0.0, 0.001, 0.0)
     assert policy.drafting([SpecState(mean_committed=1.6)], [15]) == [3]  # twice 1.6, up to a width of 4

@@ -38,7 +38,8 @@ def _engine(speculative: bool) -> Engine:
     drafter = None
     if speculative:
         drafter = DFlashDrafter(models.engine.drafter.draft, target, max_slots=4, max_len=base.max_len,
-                                static=StaticShapes(batch_sizes=(1, 2, 4), compiled=False))
+                                static=StaticShapes(batch_sizes=(1, 2, 4), compiled=False),
+                                pending_blocks=1)  # a GPU's: a proposal never writes held-back rows beforehand
     return Engine(target, drafter, eos_token_ids=models.engine.eos_token_ids, speculation="fixed",
                   grammar=models.engine.grammar)
 

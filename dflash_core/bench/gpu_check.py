@@ -262,7 +262,7 @@ def _measure_model(name: str, plan: Plan, mode: str, model: Any, draft: Any) -> 
 
         def propose(b: int = b) -> None:
             for st in states[:b]:
-                st.pending[:] = [feat]  # 4 accepted rows of context a step
+                st.pending[:], st.pending_rows = [feat], feat.shape[0]  # 4 accepted rows of context a step
             drafter.propose_scored([DraftRequest(st, 5, plan.context, 15) for st in states[:b]])
         rows.append(dict(model=name, mode=mode, kind="draft", batch=b, width=16,
                          **_time_ms(propose, dev, plan.iters, plan.warm)))

@@ -227,6 +227,12 @@ class Drafter(ABC):
     def extend_context(self, state: Any, features: torch.Tensor) -> None:
         """Target features [n, F] of the next committed positions."""
 
+    def catch_up(self, states: Sequence[Any]) -> None:
+        """Right before a proposal for these requests' states: write the context rows they hold back beyond what a
+        proposal's own forward takes (a CPU's run of plain steps, `DFlashDrafter`), so that the proposal's timed
+        forward is the proposal's alone. Default: nothing held back."""
+        return None
+
     @abstractmethod
     def propose_batch(self, items: Sequence[DraftRequest]) -> list[list[int]]:
         """Each item's `n` proposed tokens, in item order."""

@@ -20,6 +20,7 @@ from dflash_core.runners.base import Drafter, DraftRequest, DraftSampling, Propo
 from dflash_core.transfer import HostToDevice, to_host
 
 log = logging.getLogger("dflash.drafter")
+CPU_PENDING_BLOCKS = 4  # on a CPU, blocks' worth of context rows a run of plain steps holds back before writing
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class _DFlashState:
     cache: DraftKVCache | None = None  # per-request cache (unbatched drafter)
     blocks: list[int] | None = None  # block table (paged drafter): the target cache's list, grown by the engine
     pending: list[torch.Tensor] = field(default_factory=list)  # target features not yet in the draft cache
+    pending_rows: int = 0  # their rows
     written: int = 0  # positions before the pending ones: in the draft cache (per-request: or skipped by a window)
 
 
@@ -72,7 +74,10 @@ class DFlashDrafter(Drafter):
 
     Context features wait for the next proposal's forward, at most `block_size` rows of them (a verify commits no
     more): beyond that (a prefill chunk, a long run of plain steps) `extend_context` writes the older rows to the
-    cache at once, one request and one chunk at a time, so a proposal never pads its batch to a long prompt.
+    cache at once, one request and one chunk at a time, so a proposal never pads its batch to a long prompt. On a
+    CPU a run of plain steps holds back up to `CPU_PENDING_BLOCKS` blocks' worth before writing (a write of a few
+    rows costs mostly its per-call overhead there: a plain streak writes a quarter as often), and a proposal
+    first writes what it holds beyond a block.
 
     With `static` (a batched drafter) a proposal whose batch, block width and new context rows fit the buckets
     runs a fixed-shape step (compiled: `dflash_core/compile.py`) over block tables padded to a key bucket (with a
@@ -88,7 +93,10 @@ class DFlashDrafter(Drafter):
         max_len: int | None = None,
         window: int | None = None,
         static: StaticShapes | None = None,
+        pending_blocks: int | None = None,
     ) -> None:
+        """`pending_blocks`: blocks' worth of context rows a request holds back before writing them on their own
+        (the class docstring; None: `CPU_PENDING_BLOCKS` for a batched drafter on a CPU, else 1)."""
         if window is not None and window < 1:
             raise ValueError(f"draft window must be >= 1, got {window}")
         lay_out_for_fused_step(draft, target.device, target.dtype)  # before packing: the packs keep the layout
@@ -96,6 +104,9 @@ class DFlashDrafter(Drafter):
         self.draft = draft
         self.target = target
         self.block_size = int(block_size or draft.block_size)
+        if pending_blocks is None:
+            pending_blocks = CPU_PENDING_BLOCKS if torch.device(target.device).type == "cpu" and max_slots else 1
+        self.pending_limit = self.block_size * pending_blocks  # context rows a request may hold back
         self.mask_token_id = draft.mask_token_id
         self.pages: PagedDraftCache | None = None
         self.max_slots = max_slots or None
@@ -190,9 +201,19 @@ class DFlashDrafter(Drafter):
 
     def extend_context(self, state: _DFlashState, features: torch.Tensor) -> None:
         state.pending.append(features)
-        rows = sum(f.shape[0] for f in state.pending)
-        if rows > self.block_size:
-            # the next proposal keeps 1..block_size rows (its context bucket); the older ones are written now
+        state.pending_rows += features.shape[0]
+        self._write_beyond(state, self.pending_limit)
+
+    def catch_up(self, states: Sequence[_DFlashState]) -> None:
+        if self.pages is not None:
+            for st in states:
+                self._write_beyond(st, self.block_size)
+
+    def _write_beyond(self, state: _DFlashState, limit: int) -> None:
+        """Past `limit` pending rows, write the older ones: the next proposal keeps 1..block_size rows (its context
+        bucket)."""
+        rows = state.pending_rows
+        if rows > limit:
             self._write_context(state, rows - (rows - 1) // self.block_size * self.block_size)
 
     def _rows(self, blocks: list[int] | None, start: int, end: int) -> list[int]:
@@ -238,7 +259,7 @@ class DFlashDrafter(Drafter):
             except BaseException:
                 cache.length = before
                 raise
-        state.pending = [feats[n:].clone()]
+        state.pending, state.pending_rows = [feats[n:].clone()], keep
         state.written = start + n
 
     def propose_batch(self, items: Sequence[DraftRequest]) -> list[list[int]]:
@@ -260,6 +281,7 @@ class DFlashDrafter(Drafter):
         asked = Asked(list(sampling or [None] * len(items)), candidates)
         if self.pages is None:  # per-request caches: one forward each
             return [self._propose_single(item, Asked([how], candidates)) for item, how in zip(items, asked.sampling)]
+        self.catch_up([st for st, *_ in items])  # (the engine has, untimed: then nothing is left to write here)
         pending = [torch.cat(st.pending, dim=0) if st.pending else None for st, *_ in items]
         n_ctx = max((0 if f is None else f.shape[0]) for f in pending)
         proposals = None
@@ -270,7 +292,7 @@ class DFlashDrafter(Drafter):
             proposals = self._propose_paged(items, pending, n_ctx, asked)
         for st, _, p, _ in items:  # only now is the context in the draft cache
             st.pending.clear()
-            st.written = p
+            st.pending_rows, st.written = 0, p
         return proposals
 
     def _draft_argmax(
@@ -355,7 +377,7 @@ class DFlashDrafter(Drafter):
             cache.length = rollback
             raise
         st.pending.clear()
-        st.written = p
+        st.pending_rows, st.written = 0, p
         return proposal
 
     def _padded_inputs(
