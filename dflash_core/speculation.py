@@ -7,8 +7,8 @@ when the draft is right and cost more target compute always; under load the cost
    speculative steps committed. Requests are ranked by it and the drafting set is the top-k whose predicted
    tokens per second (from the measured step costs) is highest; the others take a plain step (width 1, no draft).
    A request left out this way is re-tried (`retry_after` steps later), since its text may turn predictable, but
-   only where drafting would pay if it had: where a step's costs alone rule drafting out (a busy batch on a CPU),
-   nothing is re-tried.
+   only where drafting would pay if it had (committing half a block a step): where a step's costs alone rule
+   drafting out (a busy batch on a CPU), nothing is re-tried.
 2. **Where to cut the proposals** (`WidthPolicy.widths`). The draft's probability of each proposed token gives
    the running product q_k, roughly the chance that the first k + 1 proposals are all accepted, so a row of width
    w is expected to commit 1 + q_0 + ... + q_{w-2} tokens (scaled by a calibration factor: accepted over expected
@@ -256,11 +256,12 @@ class WidthPolicy:
             if states[i].plain_streak < wait:
                 continue
             # A re-try finds out whether its text has turned predictable: only worth its cost if drafting would pay
-            # were it so (committing what speculative steps commit on average, or its own best). Where the step's
-            # costs alone rule drafting out (a CPU's verify costs grow with every token, and a busy batch's plain
-            # step is cheap per token), no acceptance could, and re-tries would only slow every request down.
+            # were it so (committing half a block, or its own average if more: a hope that nothing learnt lowers,
+            # so a draft that did badly for a while is still re-tried). Where the step's costs alone rule drafting
+            # out (a CPU's verify costs grow with every token, and a busy batch's plain step is cheap per token), no
+            # acceptance could, and re-tries would only slow every request down.
             # (the hope falls along `order`: once one does not pay, none after it would)
-            hoped = tokens + max(self.mean_committed, states[i].mean_committed) - 1.0
+            hoped = tokens + max((self.block_size + 1) / 2, states[i].mean_committed) - 1.0
             if rate(len(chosen) + 1, hoped) < best_rate:
                 break
             chosen.add(i)

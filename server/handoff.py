@@ -24,7 +24,6 @@ Delivery = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[Any]", Any]  # (loop,
 
 
 POLL_S = 0.002  # a CPU worker's loops look for events this often while they flow (`EventPoster`)
-POLL_IDLE_S = 0.01  # ... and stop looking after this long without one
 
 
 def _deliver(items: list[Delivery]) -> None:
@@ -46,7 +45,8 @@ class _Mailbox:
     """One event loop's undelivered events, and whether the loop is looking for more by itself."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, poll_s: float, idle_s: float) -> None:
-        self.loop, self.poll_s, self.idle_s = loop, poll_s, idle_s
+        self.loop = weakref.ref(loop)  # the poster's boxes are keyed by their loops, weakly: a box must not keep one
+        self.poll_s, self.idle_s = poll_s, idle_s
         self.items: list[Delivery] = []
         self.lock = threading.Lock()
         self.looking = False  # a `drain` is scheduled on the loop: a post needs no wake-up (guarded by lock)
@@ -59,10 +59,14 @@ class _Mailbox:
             if self.looking and not wake:
                 return
             callback, self.looking = (self.deliver if self.looking else self.drain), True
+        loop = self.loop()
         try:
-            self.loop.call_soon_threadsafe(callback)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
+            if loop is None:
+                raise RuntimeError("the event loop is gone")
+            loop.call_soon_threadsafe(callback)
+        except RuntimeError:  # the loop is closed: nobody is listening any more; its events would only keep it
+            with self.lock:
+                self.items, self.looking = [], False
 
     def deliver(self) -> None:
         """Loop thread: deliver what came (woken while looking; the looking goes on)."""
@@ -72,7 +76,8 @@ class _Mailbox:
 
     def drain(self) -> None:
         """Loop thread: deliver what came; look again in `poll_s`, unless nothing came for `idle_s`."""
-        now = self.loop.time()
+        loop = asyncio.get_running_loop()
+        now = loop.time()
         with self.lock:
             items, self.items = self.items, []
             if not items and now - self.last_event >= self.idle_s:
@@ -81,7 +86,7 @@ class _Mailbox:
         if items:
             self.last_event = now
             _deliver(items)
-        self.loop.call_later(self.poll_s, self.drain)
+        loop.call_later(self.poll_s, self.drain)
 
 
 class EventPoster:
@@ -92,14 +97,15 @@ class EventPoster:
     posting thread 15 us after plain Python and 40-55 us right after the forward's vector work on the development
     VM: on a CPU, where the worker's thread computes the forwards itself, a twentieth of a plain step of the demo
     target. With `poll_s`, a loop that has been woken keeps looking for events every `poll_s` on its own timer for
-    as long as they keep coming (until `idle_s` passes with none), and the worker wakes it only when it is not
-    looking: a steady stream costs the worker no wake-up at all, and an event that does not ask to `wake` the loop
-    waits `poll_s` at most (asyncio's timers have a millisecond's resolution); the worker asks for a request's first
-    tokens and its last event, so that TTFT and latency are not a poll late, and only a stream's tokens in between
-    come in twos or threes at a CPU's step rate. Without `poll_s` every call wakes the loop, as on a GPU, where the
-    worker posts while the device computes."""
+    as long as they keep coming (until `idle_s` passes with none: by default the first look that finds nothing
+    ends it, so that steps slower than a poll cost one empty look each, not several), and the worker wakes it only
+    when it is not looking: a steady stream costs the worker no wake-up at all, and an event that does not ask to
+    `wake` the loop waits `poll_s` at most (asyncio's timers have a millisecond's resolution); the worker asks for
+    a request's first text and its last event, so that TTFT and latency are not a poll late, and only a stream's
+    tokens in between come in twos or threes at a CPU's step rate. Without `poll_s` every call wakes the loop, as
+    on a GPU, where the worker posts while the device computes."""
 
-    def __init__(self, poll_s: float | None = None, idle_s: float = POLL_IDLE_S) -> None:
+    def __init__(self, poll_s: float | None = None, idle_s: float = 0.0) -> None:
         self.poll_s, self.idle_s = poll_s, idle_s
         self._boxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = weakref.WeakKeyDictionary()
 

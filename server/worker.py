@@ -57,6 +57,7 @@ class _Request:
     num_tokens: int = 0
     itl: list[float] = field(default_factory=list)
     done: bool = False  # the client has its last event
+    shown: bool = False  # an event with text has been posted (the first one wakes the event loop: `_post`)
     output_ids: list[int] = field(default_factory=list)  # the output's token ids (kept only to be recorded)
 
 
@@ -376,7 +377,8 @@ class Worker:
             index=r.handle.index, text=text, num_tokens=len(kept), logprobs=logprobs, finish_reason=finish
         )
         if finish is None:
-            self._post(r.handle, event, wake=r.num_tokens == len(kept))  # its first tokens wake the loop
+            self._post(r.handle, event, wake=not r.shown)  # its first text (TTFT as the client sees it) wakes it
+            r.shown = r.shown or bool(text)
             return
         self._finish(r, finish, now, event=event)
         if step.stopped_early:  # cut by a stop string: stop generating now; released when the engine reports the abort

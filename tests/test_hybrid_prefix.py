@@ -154,6 +154,23 @@ def test_conversation_turns_hit_and_equal_caching_off(arch: str, drafter: str | 
     check_store(cached)
 
 
+def test_a_dflash_request_that_ended_on_plain_steps_leaves_its_blocks_in_the_index() -> None:
+    """On a CPU a run of plain steps holds up to four blocks' worth of draft context rows back (`DFlashDrafter`);
+    a request that ends so writes them as it is released, so the next turn hits as far as after a drafting run
+    (and resumes from the checkpoint there), and its tokens equal caching off."""
+    params = SamplingParams(max_tokens=90, ignore_eos=True)
+    first, news = ids(45, 1), [ids(13, 2)]
+    cached = engine("qwen3_5")
+    cached.policy.drafting = lambda states, room: [0] * len(states)  # type: ignore[method-assign]  # all plain
+    checked = verify_restores(cached)
+    on = conversation(cached, first, news, params)
+    (prompt, out, _), (_, _, hit) = on
+    committed = len(prompt) + len(out) - 1
+    assert (committed - DRAFT_BLOCK) // KV_BLOCK * KV_BLOCK <= hit and checked == [hit]
+    off = conversation(engine("qwen3_5", prefix=False), first, news, params)
+    assert [t[:2] for t in on] == [t[:2] for t in off]
+
+
 def test_the_prompt_checkpoint_serves_a_repeated_prompt() -> None:
     """A prompt seen again (another sample of it) hits the checkpoint taken once the first was prefilled: at the
     prompt's last block boundary before its last token, even though the first request ended elsewhere."""

@@ -111,6 +111,20 @@ def test_no_retries_where_the_step_costs_alone_rule_drafting_out() -> None:
     assert policy.drafting([SpecState(mean_committed=6.0)], [15])[0] > 0
 
 
+def test_a_draft_that_did_badly_for_a_while_is_still_retried() -> None:
+    """After a run of unpredictable text every speculative step committed ~1.5 tokens, which is what new requests
+    start from: none drafts on merit. A request's re-try still hopes for half a block (nothing learnt lowers it),
+    so once its streak has run it drafts again and can find the text predictable now."""
+    policy = measured(0.010, 0.0002, 0.008, 0.0001)
+    for _ in range(200):
+        policy.observe(SpecState(mean_committed=1.5), drafted=True, committed=1)
+    state = policy.new_state()
+    assert policy.mean_committed < 1.5 and policy.drafting([state], [15]) == [0]
+    for _ in range(state.retry_after):
+        policy.observe(state, drafted=False, committed=1)
+    assert policy.drafting([state], [15])[0] > 0
+
+
 def test_draft_width_follows_what_requests_commit() -> None:
     policy = measured(0.010, 0.0, 0.001, 0.0)
     assert policy.drafting([SpecState(mean_committed=1.6)], [15]) == [3]  # twice 1.6, up to a width of 4

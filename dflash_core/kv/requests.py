@@ -117,6 +117,11 @@ class RequestMemory:
         """Drop the caches, then give the slot and blocks back (full written blocks stay in the prefix index)."""
         if req.kv is None:
             return
+        if self.drafter is not None and req.draft_state is not None:
+            try:  # draft rows held back by plain steps (a CPU's): written, so that the index takes their blocks too
+                self.drafter.catch_up([req.draft_state])
+            except Exception as exc:  # its blocks then stay out of the index: a cost, not an error
+                log.warning("request %d: writing its held-back draft context failed (%s)", req.id, exc)
         self.register(req)
         if self.kv.checkpoints is not None:
             self.checkpoint(req)  # the next turn (its prompt extends this sequence) or its recompute hits here

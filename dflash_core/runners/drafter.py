@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,8 +15,9 @@ from dflash_core.cpu_step.fused_draft import FusedDraftStep, fused_draft_step
 from dflash_core.draft import DFlashDraft, layer_region
 from dflash_core.draft_cache import DraftKVCache, PagedBatch, PagedDraftCache
 from dflash_core.draft_sampling import RowSampling
-from dflash_core.kv.pool import DEFAULT_KV_BLOCK, blocks_for, slot_layout_blocks
+from dflash_core.kv.pool import blocks_for
 from dflash_core.runners.base import Drafter, DraftRequest, DraftSampling, Proposal, TargetRunner
+from dflash_core.runners.draft_state import DFlashState, paged_layout, table_blocks, table_rows
 from dflash_core.transfer import HostToDevice, to_host
 
 log = logging.getLogger("dflash.drafter")
@@ -38,28 +39,6 @@ class Asked:
 
 
 ARGMAX = Asked()
-
-
-
-def paged_layout(target: TargetRunner, max_slots: int, max_len: int) -> tuple[int, int]:
-    """(kv_block, num_blocks) of the target's block-id space. A runner that is not paged (no `kv_block_size`)
-    gets the native runner's default: blocks of 16, `max_slots` requests of `max_len` positions, plus the null
-    block."""
-    kv_block = target.kv_block_size or DEFAULT_KV_BLOCK  # declared by TargetRunner: None when not paged
-    num_blocks = target.num_blocks if target.kv_block_size is not None else None
-    if num_blocks is None:
-        num_blocks = slot_layout_blocks(max_slots, max_len, kv_block)
-    return kv_block, int(num_blocks)
-
-
-@dataclass
-class _DFlashState:
-    slot: int  # the request's slot (its fixed run of blocks when the engine gives no block table)
-    cache: DraftKVCache | None = None  # per-request cache (unbatched drafter)
-    blocks: list[int] | None = None  # block table (paged drafter): the target cache's list, grown by the engine
-    pending: list[torch.Tensor] = field(default_factory=list)  # target features not yet in the draft cache
-    pending_rows: int = 0  # their rows
-    written: int = 0  # positions before the pending ones: in the draft cache (per-request: or skipped by a window)
 
 
 class DFlashDrafter(Drafter):
@@ -177,11 +156,11 @@ class DFlashDrafter(Drafter):
 
     def new_state(
         self, slot: int, prompt_token_ids: list[int], blocks: list[int] | None = None, cached: int = 0
-    ) -> _DFlashState:
+    ) -> DFlashState:
         if self.pages is None:  # a block table is the target's business here; a cached prefix cannot be had
             if cached:
                 raise ValueError("the per-request draft cache is not paged: it cannot start from cached positions")
-            return _DFlashState(slot=slot, cache=DraftKVCache(len(self.draft.layers), self.window))
+            return DFlashState(slot=slot, cache=DraftKVCache(len(self.draft.layers), self.window))
         if not 0 <= slot < int(self.max_slots or 0):
             raise ValueError(f"slot {slot} outside the drafter's {self.max_slots} slots")
         if blocks is None:
@@ -193,46 +172,31 @@ class DFlashDrafter(Drafter):
             blocks = list(range(first, first + per))
         if not 0 <= cached <= len(blocks) * self.kv_block:
             raise ValueError(f"cached {cached} positions outside the block table's {len(blocks)} blocks")
-        return _DFlashState(slot=slot, blocks=blocks, written=cached)
+        return DFlashState(slot=slot, blocks=blocks, written=cached)
 
-    def context_written(self, state: _DFlashState) -> int:
+    def context_written(self, state: DFlashState) -> int:
         """Positions whose context rows are in the paged cache (0 for a per-request cache: never shared)."""
         return state.written if self.pages is not None else 0
 
-    def extend_context(self, state: _DFlashState, features: torch.Tensor) -> None:
+    def extend_context(self, state: DFlashState, features: torch.Tensor) -> None:
         state.pending.append(features)
         state.pending_rows += features.shape[0]
         self._write_beyond(state, self.pending_limit)
 
-    def catch_up(self, states: Sequence[_DFlashState]) -> None:
+    def catch_up(self, states: Sequence[DFlashState]) -> None:
         if self.pages is not None:
             for st in states:
                 self._write_beyond(st, self.block_size)
 
-    def _write_beyond(self, state: _DFlashState, limit: int) -> None:
+    def _write_beyond(self, state: DFlashState, limit: int) -> None:
         """Past `limit` pending rows, write the older ones: the next proposal keeps 1..block_size rows (its context
         bucket)."""
         rows = state.pending_rows
         if rows > limit:
             self._write_context(state, rows - (rows - 1) // self.block_size * self.block_size)
 
-    def _rows(self, blocks: list[int] | None, start: int, end: int) -> list[int]:
-        """The flat cache rows of positions start..end-1 through a block table."""
-        kb = self.kv_block
-        assert blocks is not None
-        if end > len(blocks) * kb:
-            raise ValueError(f"positions up to {end} need {blocks_for(end, kb)} blocks; the table has {len(blocks)}")
-        return [blocks[p // kb] * kb + p % kb for p in range(start, end)]
-
-    @staticmethod
-    def _table(blocks: list[int] | None, first: int, m: int) -> list[int]:
-        """Blocks first..first+m-1 of a table, 0 (the null block) past its end."""
-        assert blocks is not None
-        row = blocks[first : first + m]
-        return row + [0] * (m - len(row))
-
     @torch.inference_mode()
-    def _write_context(self, state: _DFlashState, keep: int) -> None:
+    def _write_context(self, state: DFlashState, keep: int) -> None:
         """Write all but the last `keep` pending rows to the request's draft cache (their own forward, bounded by
         the chunk that brought them); on failure nothing is consumed, as for a proposal."""
         device, dtype = self.target.device, self.target.dtype
@@ -241,7 +205,7 @@ class DFlashDrafter(Drafter):
         # the long-RoPE switch as for a proposal at the next position (the smallest block that will see them)
         last = start + feats.shape[0]
         if self.pages is not None:  # every row: the pages hold them all, and a prefix hit may need them
-            rows, ctx_pos, last_t = self._h2d.send([self._rows(state.blocks, start, start + n)],
+            rows, ctx_pos, last_t = self._h2d.send([table_rows(state.blocks, self.kv_block, start, start + n)],
                                                    [list(range(start, start + n))], [last])
             self.draft.write_context(feats[None, :n].to(dtype), ctx_pos, self.pages.batch(rows, None), last_t)
         else:
@@ -396,7 +360,7 @@ class DFlashDrafter(Drafter):
                 c = f.shape[0]
                 ctx[r, :c] = f.to(ctx.dtype)
                 ctx_pos[r][:c] = range(p - c, p)
-                rows[r][:c] = self._rows(st.blocks, p - c, p)
+                rows[r][:c] = table_rows(st.blocks, self.kv_block, p - c, p)
             block[r][0] = last
             block_pos[r] = list(range(p, p + wb))
             block_len[r] = n + 1
@@ -416,7 +380,7 @@ class DFlashDrafter(Drafter):
         if self.window is not None:
             first = [max(0, p - self.window) // kb for _, _, p, _ in items]
         m = max(1, max(blocks_for(p, kb) - f for (_, _, p, _), f in zip(items, first)))
-        tables = [self._table(st.blocks, f, m) for (st, *_), f in zip(items, first)]
+        tables = [table_blocks(st.blocks, f, m) for (st, *_), f in zip(items, first)]
         block, block_pos, ctx_pos, rows, block_len, table, base = self._h2d.send(*ints, tables, first)
         lens = dict(ctx_len=block_pos[:, 0], block_len=block_len)
         if self.window is not None:
@@ -472,7 +436,7 @@ class DFlashDrafter(Drafter):
         else:
             m = self._key_blocks(0)
             first[: len(items)] = [max(0, p - self.window) // self.kv_block for _, _, p, _ in items]
-        tables = [self._table(st.blocks, f, m) for (st, *_), f in zip(items, first)] + [[0] * m] * (bb - len(items))
+        tables = [table_blocks(st.blocks, f, m) for (st, *_), f in zip(items, first)] + [[0] * m] * (bb - len(items))
         self.static.calls[(bb, wb)] += 1
         return self._read_back(*self._run_static(ctx, [*ints, first], tables, asked), items=items, asked=asked)
 

@@ -94,8 +94,9 @@ class HybridSlot(Slot):
     records: dict[int, _LayerRecord] = field(default_factory=dict)
     # checkpointing: the windows and states (per linear layer) at the last block boundary inside the last forward,
     # not committed yet (`pending`), and at the last MARKS committed block boundaries the request passed (`marks`,
-    # by position, oldest first; two: the draft's context rows may lag the committed tokens by up to a draft block,
-    # so the last boundary's block may never enter the prefix index, the one before it does)
+    # by position, oldest first; two: when a request ends, the draft's context rows may lag the committed tokens by
+    # up to a draft block (those a CPU's plain steps held back are written then: `RequestMemory.release`), so the
+    # last boundary's block may never enter the prefix index, the one before it does)
     pending_pos: int | None = None
     pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     marks: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
