@@ -256,12 +256,13 @@ class WidthPolicy:
             if states[i].plain_streak < wait:
                 continue
             # A re-try finds out whether its text has turned predictable: only worth its cost if drafting would pay
-            # were it so (committing half a block, or its own average if more: a hope that nothing learnt lowers,
-            # so a draft that did badly for a while is still re-tried). Where the step's costs alone rule drafting
-            # out (a CPU's verify costs grow with every token, and a busy batch's plain step is cheap per token), no
-            # acceptance could, and re-tries would only slow every request down.
-            # (the hope falls along `order`: once one does not pay, none after it would)
-            hoped = tokens + max((self.block_size + 1) / 2, states[i].mean_committed) - 1.0
+            # were it so (committing half a block, or its own average if more, at most what its row can: a hope
+            # that nothing learnt lowers, so a draft that did badly for a while is still re-tried). Where the step's
+            # costs alone rule drafting out (a CPU's verify costs grow with every token, and a busy batch's plain
+            # step is cheap per token), no acceptance could, and re-tries would only slow every request down.
+            # (the hope falls along `order`, near max_tokens aside: once one does not pay, the rest wait)
+            can = min(room[i], width - 1) + 1  # the most its row can commit this step
+            hoped = tokens + min(max((self.block_size + 1) / 2, states[i].mean_committed), can) - 1.0
             if rate(len(chosen) + 1, hoped) < best_rate:
                 break
             chosen.add(i)

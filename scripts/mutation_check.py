@@ -319,7 +319,7 @@ MUTATIONS: tuple[Mutation, ...] = (
       "            if self.looking and not wake:", "            if False:",
       "tests/test_handoff.py::test_a_looking_loop_gets_a_steady_stream_without_being_woken_again"),
     m("first_tokens_wait_for_a_poll", "server/worker.py", "Worker._on_output",
-      "wake=not r.shown)", "wake=False)",
+      "wake=bool(text) and not r.shown)", "wake=False)",
       "tests/test_handoff.py::test_a_worker_wakes_a_looking_loop_for_a_requests_first_tokens_and_its_end"),
     m("plain_streak_written_block_by_block", "dflash_core/runners/drafter.py", "DFlashDrafter.__init__",
       "CPU_PENDING_BLOCKS if torch.device", "1 if torch.device",

@@ -24,6 +24,7 @@ Delivery = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[Any]", Any]  # (loop,
 
 
 POLL_S = 0.002  # a CPU worker's loops look for events this often while they flow (`EventPoster`)
+SLOW_GAP_POLLS = 5  # ... unless steps come further apart than this many polls
 
 
 def _deliver(items: list[Delivery]) -> None:
@@ -51,20 +52,22 @@ class _Mailbox:
         self.lock = threading.Lock()
         self.looking = False  # a `drain` is scheduled on the loop: a post needs no wake-up (guarded by lock)
         self.last_event = 0.0  # when the loop last found events (its own clock)
+        self.gap = 0.0  # the usual time between two looks that found events (a running average)
 
     def post(self, group: list[Delivery], wake: bool) -> None:
         """Worker thread: queue the events; wake the loop if it is not looking, or if `wake`."""
+        loop = self.loop()
         with self.lock:
+            if loop is None or loop.is_closed():  # nobody is listening any more: its events would only keep it
+                self.items, self.looking = [], False
+                return
             self.items.extend(group)
             if self.looking and not wake:
                 return
             callback, self.looking = (self.deliver if self.looking else self.drain), True
-        loop = self.loop()
         try:
-            if loop is None:
-                raise RuntimeError("the event loop is gone")
             loop.call_soon_threadsafe(callback)
-        except RuntimeError:  # the loop is closed: nobody is listening any more; its events would only keep it
+        except RuntimeError:  # it closed just now
             with self.lock:
                 self.items, self.looking = [], False
 
@@ -75,15 +78,22 @@ class _Mailbox:
         _deliver(items)
 
     def drain(self) -> None:
-        """Loop thread: deliver what came; look again in `poll_s`, unless nothing came for `idle_s`."""
+        """Loop thread: deliver what came; look again in `poll_s`, unless nothing came for `idle_s` or for twice
+        the usual gap between events (steps slower than a poll: their next events are due), whichever is longer.
+        Where that gap passes `SLOW_GAP_POLLS` polls, a wake-up costs little next to a step and looking stops at
+        the first empty look."""
         loop = asyncio.get_running_loop()
         now = loop.time()
+        waited = now - self.last_event
+        due = 2 * self.gap if self.gap <= SLOW_GAP_POLLS * self.poll_s else 0.0
         with self.lock:
             items, self.items = self.items, []
-            if not items and now - self.last_event >= self.idle_s:
+            if not items and waited >= max(self.idle_s, due):
                 self.looking = False  # the next post wakes the loop
                 return
         if items:
+            if self.last_event and waited < 1.0:  # a pause longer than a second is no step
+                self.gap += 0.25 * (waited - self.gap)
             self.last_event = now
             _deliver(items)
         loop.call_later(self.poll_s, self.drain)
@@ -97,13 +107,13 @@ class EventPoster:
     posting thread 15 us after plain Python and 40-55 us right after the forward's vector work on the development
     VM: on a CPU, where the worker's thread computes the forwards itself, a twentieth of a plain step of the demo
     target. With `poll_s`, a loop that has been woken keeps looking for events every `poll_s` on its own timer for
-    as long as they keep coming (until `idle_s` passes with none: by default the first look that finds nothing
-    ends it, so that steps slower than a poll cost one empty look each, not several), and the worker wakes it only
-    when it is not looking: a steady stream costs the worker no wake-up at all, and an event that does not ask to
-    `wake` the loop waits `poll_s` at most (asyncio's timers have a millisecond's resolution); the worker asks for
-    a request's first text and its last event, so that TTFT and latency are not a poll late, and only a stream's
-    tokens in between come in twos or threes at a CPU's step rate. Without `poll_s` every call wakes the loop, as
-    on a GPU, where the worker posts while the device computes."""
+    as long as they keep coming (`_Mailbox.drain`: until twice the usual gap between them passes with none, or
+    `idle_s`; steps more than `SLOW_GAP_POLLS` polls apart get one look each), and the worker wakes it only when
+    it is not looking: a steady stream of steps faster than that costs the worker no wake-up at all, and an event
+    that does not ask to `wake` the loop waits `poll_s` at most (asyncio's timers have a millisecond's
+    resolution); the worker asks for a request's first text and its last event, so that TTFT and latency are not
+    a poll late, and only a stream's tokens in between come in twos or threes at a CPU's step rate. Without
+    `poll_s` every call wakes the loop, as on a GPU, where the worker posts while the device computes."""
 
     def __init__(self, poll_s: float | None = None, idle_s: float = 0.0) -> None:
         self.poll_s, self.idle_s = poll_s, idle_s

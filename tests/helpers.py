@@ -245,6 +245,9 @@ class RecordingDrafter(Drafter):
     def extend_context(self, state: RecordedState, features: torch.Tensor) -> None:
         self.inner.extend_context(state.inner, features)
 
+    def catch_up(self, states: Any) -> None:
+        self.inner.catch_up([st.inner for st in states])
+
     def propose_batch(self, items: Sequence[DraftRequest]) -> list[list[int]]:
         inner_items = [DraftRequest(st.inner, last, pos, n) for st, last, pos, n in items]
         if self.check is not None:

@@ -49,6 +49,9 @@ class ScriptedDrafter(Drafter):
     def extend_context(self, state: _ScriptedState, features: Any) -> None:
         self.inner.extend_context(state.inner, features)
 
+    def catch_up(self, states: Any) -> None:
+        self.inner.catch_up([st.inner for st in states])
+
     def warm_up(self) -> float:
         return self.inner.warm_up()
 

@@ -228,9 +228,10 @@ class Drafter(ABC):
         """Target features [n, F] of the next committed positions."""
 
     def catch_up(self, states: Sequence[Any]) -> None:
-        """Right before a proposal for these requests' states: write the context rows they hold back beyond what a
-        proposal's own forward takes (a CPU's run of plain steps, `DFlashDrafter`), so that the proposal's timed
-        forward is the proposal's alone. Default: nothing held back."""
+        """Write the context rows these requests' states hold back beyond what a proposal's own forward takes (a
+        CPU's run of plain steps, `DFlashDrafter`): right before a proposal, so that the proposal's timed forward
+        is the proposal's alone, and when a request is released, so that the prefix index takes its blocks. A
+        wrapping drafter forwards it. Default: nothing held back."""
         return None
 
     @abstractmethod
