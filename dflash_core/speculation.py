@@ -78,6 +78,10 @@ class LinearCost:
 
     def __init__(self, window: int = 128, per_bucket: int = 9) -> None:
         self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+        # running sums over `samples` (tokens, seconds, tokens^2, tokens x seconds): the line is fitted after every
+        # forward and read dozens of times a step; tokens are ints, so the spread of tokens is exact
+        self._sums = [0, 0.0, 0, 0.0]
+        self._adds = 0
         self.per_bucket = per_bucket
         self._recent: dict[int, deque[float]] = {}  # bucket (a power of two) -> its latest samples
         self.table: dict[int, float] = {}  # bucket -> the median of its latest samples
@@ -90,11 +94,26 @@ class LinearCost:
 
     def add(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0 and math.isfinite(seconds):
+            if len(self.samples) == self.samples.maxlen:
+                self._count(*self.samples[0], -1)
             self.samples.append((int(tokens), float(seconds)))
+            self._count(int(tokens), float(seconds), 1)
+            self._adds += 1
+            if self._adds % (self.samples.maxlen or 1) == 0:  # the float sums afresh now and then: no drift
+                self._sums = [0, 0.0, 0, 0.0]
+                for t, s in self.samples:
+                    self._count(t, s, 1)
             self._fit = None
             recent = self._recent.setdefault(self.bucket(tokens), deque(maxlen=self.per_bucket))
             recent.append(float(seconds))
             self.table[self.bucket(tokens)] = statistics.median(recent)
+
+    def _count(self, tokens: int, seconds: float, sign: int) -> None:
+        sums = self._sums
+        sums[0] += sign * tokens
+        sums[1] += sign * seconds
+        sums[2] += sign * tokens * tokens
+        sums[3] += sign * tokens * seconds
 
     @property
     def ready(self) -> bool:
@@ -111,15 +130,15 @@ class LinearCost:
         if not self.samples:
             return 0.0, 0.0
         n = len(self.samples)
-        mx = sum(t for t, _ in self.samples) / n
-        my = sum(s for _, s in self.samples) / n
-        sxx = sum((t - mx) ** 2 for t, _ in self.samples)
-        if sxx <= 0:
+        st, ss, stt, sts = self._sums
+        mx, my = st / n, ss / n
+        nsxx = n * stt - st * st  # n x the spread of tokens: exact in ints
+        if nsxx <= 0:
             return my, 0.0
-        slope = max(0.0, sum((t - mx) * (s - my) for t, s in self.samples) / sxx)
+        slope = max(0.0, (n * sts - st * ss) / nsxx)
         intercept = my - slope * mx
         if intercept < 0:  # a line through the origin then: cost proportional to tokens
-            intercept, slope = 0.0, sum(s for _, s in self.samples) / sum(t for t, _ in self.samples)
+            intercept, slope = 0.0, ss / st
         return intercept, slope
 
     def __call__(self, tokens: float) -> float:

@@ -19,6 +19,7 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -57,8 +58,10 @@ class DraftTree:
         """The draft's tokens (the nodes), in row order."""
         return self.tokens[1:]
 
-    @property
+    @cached_property
     def is_chain(self) -> bool:
+        """Whether its nodes are one path (asked several times a step per row: worked out once; a tree's lists are
+        not changed after it is built)."""
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
     def visibility(self) -> list[list[int]]:

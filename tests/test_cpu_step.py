@@ -203,7 +203,7 @@ def test_fused_draft_proposes_as_the_pytorch_draft():
         blocks = list(range(1 + 20 * slot, 21 + 20 * slot))
         out = target.forward_batch([TargetRow(prompt, 0, target.new_cache(slot, blocks))], features=True)[0]
         state = drafter.new_state(slot, prompt, blocks=blocks)
-        drafter.extend_context(state, out.features)  # rows beyond a block's worth are written now, by PyTorch
+        drafter.extend_context(state, out.features)  # rows beyond the held-back ones are written now (fused)
         items.append((state, int(out.logits[-1].argmax()), len(prompt), n))
         pending.append(torch.cat(state.pending))
     n_ctx = max(p.shape[0] for p in pending)
@@ -218,3 +218,38 @@ def test_fused_draft_proposes_as_the_pytorch_draft():
         assert f.tokens == e.tokens and len(f.tokens) > 0
         torch.testing.assert_close(torch.tensor(f.confidence), torch.tensor(e.confidence), rtol=1e-4, atol=1e-5)
         assert f.candidates is not None and e.candidates is not None and f.candidates[0] == e.candidates[0]
+
+
+def test_fused_context_write_matches_the_pytorch_write():
+    """Held-back context rows written on their own (`FusedDraftStep.write_context`, one C call) land in the same
+    draft cache rows with the same keys and values as the PyTorch write, and touch no other row."""
+    llm = LLM(device="cpu", speculative=True)
+    target, drafter = llm.engine.target, llm.engine.drafter
+    fused_step = drafter.fused_step
+    assert fused_step is not None and drafter.pages is not None
+    prompt = llm.encode("Write a poem about the sea, then another about the mountains and the rivers between them.")
+    blocks = list(range(3, 23))
+    out = target.forward_batch([TargetRow(prompt, 0, target.new_cache(0, blocks))], features=True)[0]
+    pages = drafter.pages
+    written = {}
+    for name, step in (("fused", fused_step), ("pytorch", None)):
+        for t in (*pages.k, *pages.v):
+            t.zero_()
+        drafter._fused = step
+        try:
+            state = drafter.new_state(0, prompt, blocks=blocks)
+            drafter.extend_context(state, out.features)
+            drafter.catch_up([state])  # all but the last block's worth of rows
+        finally:
+            drafter._fused = fused_step
+        assert 0 < state.written < len(prompt)
+        written[name] = ([t.clone() for t in (*pages.k, *pages.v)], state.written)
+    (fused, n_fused), (eager, n_eager) = written["fused"], written["pytorch"]
+    assert n_fused == n_eager
+    rows = [blocks[p // drafter.kv_block] * drafter.kv_block + p % drafter.kv_block for p in range(n_fused)]
+    for f, e in zip(fused, eager, strict=True):
+        torch.testing.assert_close(f, e, rtol=1e-4, atol=1e-5)
+        assert f[rows].abs().sum() > 0
+        others = torch.ones(f.shape[0], dtype=torch.bool)
+        others[rows] = False
+        assert f[others].abs().sum() == 0

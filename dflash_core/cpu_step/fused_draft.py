@@ -5,8 +5,9 @@ where the draft runs float32 on a CPU and is a DFlash draft (not DFlash 2) whose
 with no sliding window and whose RoPE has no long-context switch. One call writes the requests' new context rows
 (the target's features: `fc`, its norm, each layer's keys and values) into the drafter's own paged cache and runs
 the blocks over their context and themselves, returning the final-normed hidden states; the drafter's head and
-choice (argmax, sampled rows, a tree's candidates) run on them as before. `DFLASH_CPU_STEP` picks it as it picks
-the target's (`dflash_core/cpu_step/fused.py`).
+choice (argmax, sampled rows, a tree's candidates) run on them as before; `write_context` writes context rows
+alone, as the same call with no block (the rows a run of plain steps held back). `DFLASH_CPU_STEP` picks it as it
+picks the target's (`dflash_core/cpu_step/fused.py`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dflash_core.draft_cache import PagedDraftCache
 from dflash_core.kv.pool import blocks_for
 from dflash_core.overlap import run_held
 from dflash_core.runners.base import DraftRequest, TargetRunner
+from dflash_core.runners.draft_state import table_rows
 from dflash_core.weight_layout import is_input_major
 
 __all__ = ["FusedDraftStep", "FusedDrafter", "fused_draft_step", "unsupported_draft"]
@@ -113,28 +115,43 @@ class FusedDraftStep:
             ids += [last] + [d.mask_token_id] * (w - 1)
             c = 0 if f is None else f.shape[0]
             ctx_pos += range(p - c, p)
-            ctx_rows += [st.blocks[q // kvb] * kvb + q % kvb for q in range(p - c, p)]
+            ctx_rows += table_rows(st.blocks, kvb, p - c, p)
         context = max(starts)
         width = max(1, blocks_for(context, d.kv_block))
         tables = [b for st, *_ in items for b in (list(st.blocks[:width]) + [0] * width)[:width]]
         lens = [n + 1 for *_, n in items]
         feats = [f for f in pending if f is not None and f.shape[0]]
         ctx = torch.cat(feats).float().contiguous() if feats else None
-        b, H = len(items), self.view.model.hidden
         block_pos = [p + i for p in starts for i in range(w)]
+        hidden = self._run(len(items), w, ids, starts, lens, ctx, ctx_pos, ctx_rows, tables, width, block_pos,
+                           context)
+        return hidden, torch.tensor(ids).view(len(items), w), torch.tensor(block_pos).view(len(items), w)
+
+    def write_context(self, features: torch.Tensor, positions: Sequence[int], rows: Sequence[int]) -> None:
+        """Context rows alone, no block: `features` [n, F] (the target's, at `positions`) written to draft cache
+        `rows` exactly as a proposal writes its pending rows (one call, none of PyTorch's per-operator cost)."""
+        if features.shape[0]:
+            self._run(0, 0, [], [], [], features.float().contiguous(), list(positions), list(rows), [], 0, [], 0)
+
+    def _run(self, b: int, w: int, ids: list[int], starts: list[int], lens: list[int], ctx: torch.Tensor | None,
+             ctx_pos: list[int], ctx_rows: list[int], tables: list[int], width: int, block_pos: list[int],
+             context: int) -> torch.Tensor:
+        """One `dflash_draft_forward` call: b blocks of w tokens (none: context rows only); their hidden states
+        [b, w, H]."""
         ints = array("q", ids + starts + lens + ctx_pos + ctx_rows + tables + block_pos)
         base, size = ints.buffer_info()[0], ints.itemsize
         offsets = [0, len(ids), len(ids) + b, len(ids) + 2 * b]
         offsets += [offsets[-1] + len(ctx_pos), offsets[-1] + 2 * len(ctx_pos)]
         offsets.append(offsets[-1] + len(tables))
         ptr = [int_ptr(base + o * size) for o in offsets]
+        H = self.view.model.hidden
         hidden = torch.empty(b * w, H, dtype=torch.float32)
         scratch = self._scratch.at_least(self._lib.dflash_draft_scratch_floats(
             ctypes.byref(self.view.model), b, w, len(ctx_pos), context))
         batch = DraftBatch(b, w, ptr[0], ptr[1], ptr[2], len(ctx_pos), float_ptr(ctx), ptr[3], ptr[4], ptr[5],
                            width, ptr[6], context, float_ptr(hidden), float_ptr(scratch))
         self.run_kernel(batch)
-        return hidden.view(b, w, H), torch.tensor(ids).view(b, w), torch.tensor(block_pos).view(b, w)
+        return hidden.view(b, w, H)
 
     def run_kernel(self, batch: DraftBatch) -> None:
         """The C call itself (`dflash-bench profile` times it apart from the Python around it); what this thread

@@ -205,9 +205,13 @@ class DFlashDrafter(Drafter):
         # the long-RoPE switch as for a proposal at the next position (the smallest block that will see them)
         last = start + feats.shape[0]
         if self.pages is not None:  # every row: the pages hold them all, and a prefix hit may need them
-            rows, ctx_pos, last_t = self._h2d.send([table_rows(state.blocks, self.kv_block, start, start + n)],
-                                                   [list(range(start, start + n))], [last])
-            self.draft.write_context(feats[None, :n].to(dtype), ctx_pos, self.pages.batch(rows, None), last_t)
+            rows = table_rows(state.blocks, self.kv_block, start, start + n)
+            if self._fused is not None:  # one C call
+                self._fused.write_context(feats[:n], range(start, start + n), rows)
+            else:
+                rows_t, ctx_pos, last_t = self._h2d.send([rows], [list(range(start, start + n))], [last])
+                self.draft.write_context(feats[None, :n].to(dtype), ctx_pos, self.pages.batch(rows_t, None),
+                                         last_t)
         else:
             cache = state.cache
             assert cache is not None
