@@ -42,17 +42,40 @@ def poll_interval(device: str) -> float | None:
     return POLL_S if device.startswith("cpu") else None
 
 
+class LookPace:
+    """When a looking loop stops looking: once nothing has come for `idle_s`, or for twice the usual gap between
+    looks that found events (steps slower than a poll: their next events are due), whichever is longer. Where that
+    gap passes `SLOW_GAP_POLLS` polls, a wake-up costs little next to a step and looking stops at the first empty
+    look. Times are the loop's clock, in seconds."""
+
+    def __init__(self, poll_s: float, idle_s: float) -> None:
+        self.poll_s, self.idle_s = poll_s, idle_s
+        self.last_event = 0.0  # when the loop last found events
+        self.gap = 0.0  # the usual time between two looks that found events (a running average)
+
+    def found(self, now: float) -> None:
+        """A look at `now` found events."""
+        waited = now - self.last_event
+        if self.last_event and waited < 1.0:  # a pause longer than a second is no step
+            self.gap += 0.25 * (waited - self.gap)
+        self.last_event = now
+
+    def keep_looking(self, now: float) -> bool:
+        """Whether a look at `now` that found nothing should be followed by another in `poll_s`."""
+        due = 2 * self.gap if self.gap <= SLOW_GAP_POLLS * self.poll_s else 0.0
+        return now - self.last_event < max(self.idle_s, due)
+
+
 class _Mailbox:
     """One event loop's undelivered events, and whether the loop is looking for more by itself."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, poll_s: float, idle_s: float) -> None:
         self.loop = weakref.ref(loop)  # the poster's boxes are keyed by their loops, weakly: a box must not keep one
-        self.poll_s, self.idle_s = poll_s, idle_s
+        self.poll_s = poll_s
         self.items: list[Delivery] = []
         self.lock = threading.Lock()
         self.looking = False  # a `drain` is scheduled on the loop: a post needs no wake-up (guarded by lock)
-        self.last_event = 0.0  # when the loop last found events (its own clock)
-        self.gap = 0.0  # the usual time between two looks that found events (a running average)
+        self.pace = LookPace(poll_s, idle_s)
 
     def post(self, group: list[Delivery], wake: bool) -> None:
         """Worker thread: queue the events; wake the loop if it is not looking, or if `wake`."""
@@ -78,23 +101,16 @@ class _Mailbox:
         _deliver(items)
 
     def drain(self) -> None:
-        """Loop thread: deliver what came; look again in `poll_s`, unless nothing came for `idle_s` or for twice
-        the usual gap between events (steps slower than a poll: their next events are due), whichever is longer.
-        Where that gap passes `SLOW_GAP_POLLS` polls, a wake-up costs little next to a step and looking stops at
-        the first empty look."""
+        """Loop thread: deliver what came; look again in `poll_s` while `LookPace` says more is due."""
         loop = asyncio.get_running_loop()
         now = loop.time()
-        waited = now - self.last_event
-        due = 2 * self.gap if self.gap <= SLOW_GAP_POLLS * self.poll_s else 0.0
         with self.lock:
             items, self.items = self.items, []
-            if not items and waited >= max(self.idle_s, due):
+            if not items and not self.pace.keep_looking(now):
                 self.looking = False  # the next post wakes the loop
                 return
         if items:
-            if self.last_event and waited < 1.0:  # a pause longer than a second is no step
-                self.gap += 0.25 * (waited - self.gap)
-            self.last_event = now
+            self.pace.found(now)
             _deliver(items)
         loop.call_later(self.poll_s, self.drain)
 
@@ -107,7 +123,7 @@ class EventPoster:
     posting thread 15 us after plain Python and 40-55 us right after the forward's vector work on the development
     VM: on a CPU, where the worker's thread computes the forwards itself, a twentieth of a plain step of the demo
     target. With `poll_s`, a loop that has been woken keeps looking for events every `poll_s` on its own timer for
-    as long as they keep coming (`_Mailbox.drain`: until twice the usual gap between them passes with none, or
+    as long as they keep coming (`LookPace`: until twice the usual gap between them passes with none, or
     `idle_s`; steps more than `SLOW_GAP_POLLS` polls apart get one look each), and the worker wakes it only when
     it is not looking: a steady stream of steps faster than that costs the worker no wake-up at all, and an event
     that does not ask to `wake` the loop waits `poll_s` at most (asyncio's timers have a millisecond's

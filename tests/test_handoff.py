@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from server.handoff import EventPoster, poll_interval
+from server.handoff import SLOW_GAP_POLLS, EventPoster, LookPace, poll_interval
 
 TIMEOUT_S = 10.0
 
@@ -214,3 +214,32 @@ def test_a_worker_wakes_a_looking_loop_for_a_requests_first_tokens_and_its_end()
             await asyncio.to_thread(worker.stop)
 
     asyncio.run(test())
+
+
+def test_a_loop_looks_on_until_twice_the_usual_gap_between_steps_has_passed() -> None:
+    """Steps 4 ms apart (two polls): an empty look 5 ms after the last events looks again (the next step is due),
+    one 9 ms after stops. Steps slower than SLOW_GAP_POLLS polls: the first empty look stops. A pause of seconds
+    (an idle server) does not count as a step's gap; `idle_s` keeps a loop looking at least that long."""
+    poll = 0.002
+    pace = LookPace(poll, idle_s=0.0)
+    assert not pace.keep_looking(100.0)  # nothing found yet: the first empty look stops
+    for i in range(20):
+        pace.found(100.0 + 0.004 * i)
+    last = 100.0 + 0.004 * 19
+    assert pace.gap == pytest.approx(0.004, rel=0.01)  # a running average, from 0
+    assert pace.keep_looking(last + 0.005) and not pace.keep_looking(last + 0.009)
+
+    slow = LookPace(poll, idle_s=0.0)
+    step = (SLOW_GAP_POLLS + 1) * poll
+    for i in range(20):
+        slow.found(200.0 + step * i)
+    assert not slow.keep_looking(200.0 + step * 19 + poll)
+
+    paused = LookPace(poll, idle_s=0.0)
+    for t in (300.0, 300.004, 305.0, 305.004):
+        paused.found(t)
+    assert paused.gap < 0.004  # the 5 s pause left the average alone
+
+    idle = LookPace(poll, idle_s=0.010)
+    idle.found(400.0)
+    assert idle.keep_looking(400.009) and not idle.keep_looking(400.011)
