@@ -94,7 +94,7 @@ class LinearCost:
 
     def add(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0 and math.isfinite(seconds):
-            if len(self.samples) == self.samples.maxlen:
+            if self.samples and len(self.samples) == self.samples.maxlen:  # the oldest leaves the window
                 self._count(*self.samples[0], -1)
             self.samples.append((int(tokens), float(seconds)))
             self._count(int(tokens), float(seconds), 1)

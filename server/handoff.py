@@ -95,9 +95,11 @@ class _Mailbox:
                 self.items, self.looking = [], False
 
     def deliver(self) -> None:
-        """Loop thread: deliver what came (woken while looking; the looking goes on)."""
+        """Loop thread: deliver what came (woken while looking; the looking goes on, and counts this step)."""
         with self.lock:
             items, self.items = self.items, []
+        if items:
+            self.pace.found(asyncio.get_running_loop().time())
         _deliver(items)
 
     def drain(self) -> None:

@@ -192,8 +192,8 @@ def test_the_library_is_built_once_per_machine(monkeypatch, tmp_path):
 
 def test_fused_draft_proposes_as_the_pytorch_draft():
     """The demo pair's drafter: proposals of two requests (different block widths and pending context, some of it
-    written by the PyTorch forward before) from the fused draft equal the PyTorch draft's, tokens and confidences,
-    and so do the top candidates a tree asks for."""
+    written before on its own) from the fused draft equal the PyTorch draft's, tokens and confidences, and so do
+    the top candidates a tree asks for."""
     llm = LLM(device="cpu", speculative=True)
     target, drafter = llm.engine.target, llm.engine.drafter
     assert target.cpu_step == "fused" and drafter.fused_step is not None

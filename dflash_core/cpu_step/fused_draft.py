@@ -6,7 +6,8 @@ with no sliding window and whose RoPE has no long-context switch. One call write
 (the target's features: `fc`, its norm, each layer's keys and values) into the drafter's own paged cache and runs
 the blocks over their context and themselves, returning the final-normed hidden states; the drafter's head and
 choice (argmax, sampled rows, a tree's candidates) run on them as before; `write_context` writes context rows
-alone, as the same call with no block (the rows a run of plain steps held back). `DFLASH_CPU_STEP` picks it as it
+alone, as the same call with no block (the rows a run of plain steps held back, a prefill chunk's up to
+`FUSED_PREFILL_TOKENS`). `DFLASH_CPU_STEP` picks it as it
 picks the target's (`dflash_core/cpu_step/fused.py`).
 """
 
@@ -130,6 +131,8 @@ class FusedDraftStep:
     def write_context(self, features: torch.Tensor, positions: Sequence[int], rows: Sequence[int]) -> None:
         """Context rows alone, no block: `features` [n, F] (the target's, at `positions`) written to draft cache
         `rows` exactly as a proposal writes its pending rows (one call, none of PyTorch's per-operator cost)."""
+        if not features.shape[0] == len(positions) == len(rows):  # the C reads as many feature rows as positions
+            raise ValueError(f"{features.shape[0]} context rows for {len(positions)} positions and {len(rows)} rows")
         if features.shape[0]:
             self._run(0, 0, [], [], [], features.float().contiguous(), list(positions), list(rows), [], 0, [], 0)
 

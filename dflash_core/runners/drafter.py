@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from dflash_core.compile import StaticShapes, kv_bucket, timed_warm_up
-from dflash_core.cpu_step.fused import lay_out_for_fused_step
+from dflash_core.cpu_step.fused import FUSED_PREFILL_TOKENS, lay_out_for_fused_step
 from dflash_core.cpu_step.fused_draft import FusedDraftStep, fused_draft_step
 from dflash_core.draft import DFlashDraft, layer_region
 from dflash_core.draft_cache import DraftKVCache, PagedBatch, PagedDraftCache
@@ -206,7 +206,7 @@ class DFlashDrafter(Drafter):
         last = start + feats.shape[0]
         if self.pages is not None:  # every row: the pages hold them all, and a prefix hit may need them
             rows = table_rows(state.blocks, self.kv_block, start, start + n)
-            if self._fused is not None:  # one C call
+            if self._fused is not None and n <= FUSED_PREFILL_TOKENS:  # one C call (a long chunk: MKL's products)
                 self._fused.write_context(feats[:n], range(start, start + n), rows)
             else:
                 rows_t, ctx_pos, last_t = self._h2d.send([rows], [list(range(start, start + n))], [last])
