@@ -96,8 +96,9 @@ class LinearCost:
         if tokens > 0 and seconds > 0 and math.isfinite(seconds):
             if self.samples and len(self.samples) == self.samples.maxlen:  # the oldest leaves the window
                 self._count(*self.samples[0], -1)
-            self.samples.append((int(tokens), float(seconds)))
-            self._count(int(tokens), float(seconds), 1)
+            sample = (int(tokens), float(seconds))
+            self.samples.append(sample)
+            self._count(*sample, 1)
             self._adds += 1
             if self._adds % (self.samples.maxlen or 1) == 0:  # the float sums afresh now and then: no drift
                 self._sums = [0, 0.0, 0, 0.0]

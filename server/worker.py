@@ -377,8 +377,9 @@ class Worker:
             index=r.handle.index, text=text, num_tokens=len(kept), logprobs=logprobs, finish_reason=finish
         )
         if finish is None:
-            self._post(r.handle, event, wake=bool(text) and not r.shown)  # its first text (TTFT as the client
-            r.shown = r.shown or bool(text)  # sees it) wakes the loop
+            # its first text (TTFT as the client sees it) wakes the loop
+            self._post(r.handle, event, wake=bool(text) and not r.shown)
+            r.shown = r.shown or bool(text)
             return
         self._finish(r, finish, now, event=event)
         if step.stopped_early:  # cut by a stop string: stop generating now; released when the engine reports the abort

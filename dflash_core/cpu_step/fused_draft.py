@@ -7,8 +7,7 @@ with no sliding window and whose RoPE has no long-context switch. One call write
 the blocks over their context and themselves, returning the final-normed hidden states; the drafter's head and
 choice (argmax, sampled rows, a tree's candidates) run on them as before; `write_context` writes context rows
 alone, as the same call with no block (the rows a run of plain steps held back, a prefill chunk's up to
-`FUSED_PREFILL_TOKENS`). `DFLASH_CPU_STEP` picks it as it
-picks the target's (`dflash_core/cpu_step/fused.py`).
+`FUSED_PREFILL_TOKENS`). `DFLASH_CPU_STEP` picks it as it picks the target's (`dflash_core/cpu_step/fused.py`).
 """
 
 from __future__ import annotations
